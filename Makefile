@@ -1,0 +1,51 @@
+# Two commands set up and run everything on a fresh machine:
+#   make demo   create .venv if missing, install, run the workflow on config.yaml
+#   make test   same set-up, then the test suite (slow whole-workflow tests included)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CORES ?= all
+SNAKEMAKE_ARGS ?=
+PYTEST_ARGS ?=
+
+# Jobs find python and snakemake in the venv; the model hub is never contacted.
+export PATH := $(abspath $(BIN)):$(PATH)
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: demo test test-fast lint format dag clean
+
+$(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/no-deps.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import transformers, speculators.models.eagle3, snakemake"
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml $(SNAKEMAKE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/snakemake --lint
+	$(BIN)/snakefmt --check Snakefile rules
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/snakefmt Snakefile rules
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+dag: $(STAMP)
+	$(BIN)/snakemake --rulegraph | dot -Tsvg > docs/rulegraph.svg
+
+clean:
+	rm -rf results .snakemake

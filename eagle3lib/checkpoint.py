@@ -1,0 +1,228 @@
+"""The checkpoint contract: export speculators' training output portably, check it, reload it.
+
+A checkpoint is a folder with ``config.json`` (speculators' Eagle3SpeculatorConfig) and
+``model.safetensors`` (bf16, with the ``d2t``/``t2d`` vocab map inside), which vLLM loads with
+``--speculative-config '{"method": "eagle3", "model": <folder>, ...}'``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import atomic_path
+
+REQUIRED_FIELDS = (
+    "speculators_model_type",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
+    "speculators_config",
+)
+
+
+def absolute_paths(obj: Any, where: str = "") -> list[str]:
+    """Config entries that look like absolute machine paths."""
+    found = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found += absolute_paths(v, f"{where}.{k}" if where else k)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found += absolute_paths(v, f"{where}[{i}]")
+    elif isinstance(obj, str) and (obj.startswith(("/", "~")) or obj[1:3] == ":\\"):
+        found.append(f"{where}={obj}")
+    return found
+
+
+def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]:
+    """Copy speculators' final epoch into ``out_dir`` with a portable verifier reference."""
+    config = json.loads((epoch_dir / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
+    config["transformer_layer_config"].pop("_name_or_path", None)
+    bad = absolute_paths(config)
+    if bad:
+        raise UserError(f"checkpoint config would carry machine paths: {', '.join(bad)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / "model.safetensors") as tmp:
+        shutil.copyfile(epoch_dir / "model.safetensors", tmp)
+    with atomic_path(out_dir / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
+
+
+def load_config(checkpoint: Path):
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    return Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
+
+
+def load_draft(checkpoint: Path, verifier_load_path: str, attention: str, dtype: torch.dtype):
+    """Reload with speculators; the verifier's embeddings/norm/lm_head come from a local copy."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    config = load_config(checkpoint)
+    config.speculators_config.verifier.name_or_path = verifier_load_path
+    config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
+    model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
+    model.eval()
+    return model
+
+
+def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> dict[str, Any]:
+    """Check format, tensors and vocab map against the config; reload and run one forward.
+
+    Returns a report with ``valid`` and a list of ``problems``; never raises for a bad
+    checkpoint (a missing or unreadable file is a problem too).
+    """
+    from safetensors import safe_open
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    problems: list[str] = []
+    report: dict[str, Any] = {"checkpoint": str(checkpoint), "problems": problems}
+    config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        problems.append(f"config.json unreadable: {exc}")
+        report["valid"] = False
+        return report
+
+    for field in REQUIRED_FIELDS:
+        if field not in raw:
+            problems.append(f"config.json lacks {field}")
+    if raw.get("speculators_model_type") != "eagle3":
+        problems.append(f"speculators_model_type is {raw.get('speculators_model_type')!r}")
+    spec = raw.get("speculators_config", {})
+    verifier_ref = spec.get("verifier", {}).get("name_or_path")
+    if not verifier_ref:
+        problems.append("speculators_config.verifier.name_or_path is empty (vLLM requires it)")
+    problems += [f"absolute path in config: {p}" for p in absolute_paths(raw)]
+    if raw.get("eagle_aux_hidden_state_layer_ids") != expected_aux:
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {raw.get('eagle_aux_hidden_state_layer_ids')} "
+            f"!= extraction layers {expected_aux}"
+        )
+    tl = raw.get("transformer_layer_config", {})
+    if tl.get("hidden_size") != record["hidden_size"]:
+        problems.append(f"hidden_size {tl.get('hidden_size')} != verifier {record['hidden_size']}")
+    if tl.get("vocab_size") != record["vocab_size"]:
+        problems.append(f"vocab_size {tl.get('vocab_size')} != verifier {record['vocab_size']}")
+    methods = spec.get("proposal_methods") or [{}]
+    report["speculative_tokens"] = methods[0].get("speculative_tokens")
+    report["draft_vocab_size"] = raw.get("draft_vocab_size")
+    report["aux_layer_ids"] = raw.get("eagle_aux_hidden_state_layer_ids")
+    report["verifier"] = verifier_ref
+
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            tensors = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
+            shapes = {k: list(s.get_shape()) for k, s in tensors.items()}
+            dtypes = {k: s.get_dtype() for k, s in tensors.items()}
+            d2t = f.get_tensor("d2t") if "d2t" in tensors else None
+            t2d = f.get_tensor("t2d") if "t2d" in tensors else None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
+        problems.append(f"model.safetensors unreadable: {str(exc).splitlines()[0]}")
+        report["valid"] = False
+        return report
+    report["tensors"] = {k: {"shape": shapes[k], "dtype": dtypes[k]} for k in sorted(shapes)}
+
+    try:
+        config = load_config(checkpoint)
+        config.speculators_config.verifier.name_or_path = None  # skeleton only
+        config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001
+        with torch.device("meta"):
+            skeleton = Eagle3DraftModel(config)
+        expected = {
+            k: list(v.shape)
+            for k, v in skeleton.state_dict().items()
+            if k not in Eagle3DraftModel._keys_to_ignore_on_save  # noqa: SLF001
+        }
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"config does not build an Eagle3DraftModel: {str(exc).splitlines()[0]}")
+        expected = {}
+    for name, shape in expected.items():
+        if name not in shapes:
+            problems.append(f"tensor {name} missing")
+        elif shapes[name] != shape:
+            problems.append(f"tensor {name} has shape {shapes[name]}, config implies {shape}")
+    for name in sorted(set(shapes) - set(expected)) if expected else []:
+        problems.append(f"unexpected tensor {name}")
+    for name, dtype in dtypes.items():
+        if name not in ("d2t", "t2d") and dtype != "BF16":
+            problems.append(f"tensor {name} is {dtype}, expected BF16")
+
+    k, v = raw.get("draft_vocab_size"), record["vocab_size"]
+    if d2t is None or t2d is None:
+        if k != v:
+            problems.append("d2t/t2d missing although draft_vocab_size != verifier vocab")
+    else:
+        targets = torch.arange(len(d2t)) + d2t
+        if dtypes.get("d2t") != "I64" or dtypes.get("t2d") != "BOOL":
+            problems.append(
+                f"d2t/t2d dtypes {dtypes.get('d2t')}/{dtypes.get('t2d')}, expected I64/BOOL"
+            )
+        if len(d2t) != k or len(t2d) != v:
+            problems.append(
+                f"d2t has {len(d2t)} entries (expected {k}), t2d {len(t2d)} (expected {v})"
+            )
+        elif int(t2d.sum()) != k:
+            problems.append(f"t2d marks {int(t2d.sum())} tokens, expected {k}")
+        elif (
+            targets.min() < 0 or targets.max() >= v or not bool((targets[1:] > targets[:-1]).all())
+        ):
+            problems.append("d2t does not map draft ids to increasing, in-range verifier ids")
+        elif not torch.equal(torch.nonzero(t2d).flatten(), targets):
+            problems.append("d2t and t2d disagree")
+
+    if not problems:
+        try:
+            draft = load_draft(checkpoint, record["load_path"], "sdpa", torch.float32)
+            n = len(expected_aux)
+            with torch.no_grad():
+                tokens = draft(
+                    hidden_states=torch.randn(1, 8, n * record["hidden_size"]),
+                    input_ids=torch.randint(0, record["vocab_size"], (1, 8)),
+                    document_ids=torch.zeros(1, 8, dtype=torch.long),
+                    ttt_steps=int(report["speculative_tokens"] or 1),
+                )
+            report["reload_forward"] = {"ttt_steps": len(tokens), "shape": list(tokens[0].shape)}
+            if not all(bool((t >= 0).all() and (t < k).all()) for t in tokens):
+                problems.append("reloaded draft proposes ids outside the draft vocab")
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"reload/forward with speculators failed: {str(exc).splitlines()[0]}")
+    report["valid"] = not problems
+    return report
+
+
+def model_card(config: dict[str, Any], record: dict[str, Any], stats: dict[str, Any]) -> str:
+    """README.md beside the checkpoint: what it is, how it was made, how to serve it."""
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = json.dumps({"method": "eagle3", "model": "<this folder>", "num_speculative_tokens": k})
+    tl = config["transformer_layer_config"]
+    return f"""# EAGLE-3 draft for {record["name"]}
+
+Trained by this workflow with speculators' `Eagle3DraftModel` on hidden states of the verifier
+`{record["name"]}` (config sha256 `{record["config_sha256"][:16]}…`).
+
+| field | value |
+|---|---|
+| draft layers | {tl.get("num_hidden_layers")} ({tl.get("model_type")}) |
+| hidden size | {tl.get("hidden_size")} |
+| draft vocab | {config["draft_vocab_size"]} of {tl.get("vocab_size")} |
+| aux layers | {config["eagle_aux_hidden_state_layer_ids"]} |
+| speculative tokens (TTT steps) | {k} |
+| training | {stats.get("epochs")} epochs, {stats.get("train_samples")} samples, {stats.get("device")} |
+
+Serve it with vLLM:
+
+```
+vllm serve {record["name"]} --speculative-config '{spec}'
+```
+"""

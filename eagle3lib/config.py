@@ -1,0 +1,112 @@
+"""Typed views of the validated workflow configuration (rules/schemas/config.schema.yaml).
+
+Snakemake validates config.yaml against the schema and fills defaults; each rule hands its
+section to a script as JSON, and the script builds one of these dataclasses from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+from eagle3lib.errors import UserError
+
+PACKAGE_PREFIX = "package:"
+
+T = TypeVar("T")
+
+
+def resolve_package_path(spec: str, key: str = "path") -> Path:
+    """Turn ``package:<module>/<relative path>`` into the file inside the installed package.
+
+    The package is located without importing it (its ``__init__`` may need heavy deps).
+    """
+    rest = spec[len(PACKAGE_PREFIX) :]
+    module, _, relative = rest.partition("/")
+    if not module or not relative:
+        raise UserError(f"config key {key}: {spec!r} must look like package:<module>/<file>")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise UserError(
+            f"config key {key}: Python package {module!r} is not installed; "
+            f"install it (see README) or point {key} at a file"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / relative
+    if not path.exists():
+        raise UserError(f"config key {key}: {relative!r} not found inside package {module!r}")
+    return path
+
+
+def resolve_data_path(spec: str, key: str) -> Path:
+    """A data file given as a path or a ``package:`` reference; it must exist."""
+    if spec.startswith(PACKAGE_PREFIX):
+        return resolve_package_path(spec, key)
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"config key {key}: file {spec!r} does not exist")
+    return path
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build dataclass ``cls`` from a (schema-validated) mapping, ignoring unknown keys."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def from_json(cls: type[T], text: str) -> T:
+    return from_dict(cls, json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    max_length: int = 2048
+    truncation: str = "truncate"
+    min_supervised_tokens: int = 1
+    on_invalid_record: str = "error"
+    max_samples: int | None = None
+    allow_truncated_json: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractConfig:
+    shards: int = 1
+    aux_layers: list[int] | None = None
+    dtype: str = "auto"
+    batch_tokens: int = 16384
+    gpus_per_job: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 20
+    lr: float = 1e-3
+    optimizer: str = "muon"
+    weight_decay: float = 0.01
+    scheduler: str = "linear"
+    warmup_ratio: float | None = None
+    total_seq_len: int = 8192
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    num_layers: int = 1
+    norm_before_residual: bool = True
+    norm_before_fc: bool = True
+    norm_output: bool = True
+    sliding_window: int = 2048
+    full_attention_layers: list[int] = dataclasses.field(default_factory=list)
+    val_fraction: float = 0.1
+    seed: int = 42
+    attention: str = "auto"
+    loss: str = "auto"
+    gpus: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateConfig:
+    k: int = 3
+    max_new_tokens: int = 256
+    dtype: str = "auto"
+    gpus: int = 0

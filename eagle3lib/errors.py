@@ -1,0 +1,28 @@
+"""User-facing errors: one line naming the file, line or key and what to do, then exit 1."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class UserError(Exception):
+    """Bad input or configuration. The message is shown to the user as one line."""
+
+
+def cli(main: F) -> F:
+    """Run ``main``; turn a UserError into ``error: <message>`` on stderr and exit status 1."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as exc:
+            print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,190 @@
+"""GPU jobs: a lease (one lock per GPU) that sets CUDA_VISIBLE_DEVICES, and NVML memory
+readings before and after the job, so validation can fail a job that left memory behind.
+
+Snakemake assigns no device ids to local jobs (snakemake issue #281), so every GPU rule runs
+its command through ``python -m eagle3lib.gpu run``: it takes ``--gpus N`` free devices from the
+pool (``CUDA_VISIBLE_DEVICES`` if set, else all NVML devices) with non-blocking ``flock``s that
+the kernel releases even on SIGKILL, records NVML used memory per leased device, runs the
+command with ``CUDA_VISIBLE_DEVICES`` set to the lease, then reads NVML again after the
+command's process group is gone. On a machine without an NVIDIA driver the record says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.fileio import write_json
+
+# Memory a finished job may leave on a device before validation calls it a leak.
+LEAK_THRESHOLD_MIB = 256
+
+
+def nvml_snapshot(indices: Sequence[int] | None = None) -> dict[str, Any]:
+    """Used memory per device from NVML, or ``{"available": False, "reason": ...}``."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"available": False, "reason": "no NVIDIA device: nvidia-ml-py is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "reason": f"no NVIDIA device: {exc}"}
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        devices = []
+        for i in indices if indices is not None else range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            devices.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "used_mib": round(mem.used / 2**20, 1),
+                    "total_mib": round(mem.total / 2**20, 1),
+                    "pids": sorted(p.pid for p in procs),
+                }
+            )
+        return {"available": True, "device_count": count, "devices": devices, "time": time.time()}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_pool() -> list[int]:
+    """Device indices jobs may lease: CUDA_VISIBLE_DEVICES (numeric ids) if set, else all."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+    snap = nvml_snapshot()
+    return list(range(snap.get("device_count", 0)))
+
+
+@contextlib.contextmanager
+def lease(n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5) -> Iterator[list[int]]:
+    """Hold exclusive locks on ``n`` devices of ``pool``; wait until that many are free."""
+    if n == 0:
+        yield []
+        return
+    if n > len(pool):
+        raise SystemExit(f"error: job needs {n} GPU(s), the pool has {len(pool)} ({list(pool)})")
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        held: list[tuple[int, int]] = []
+        for dev in pool:
+            fd = os.open(lock_dir / f"gpu{dev}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            held.append((dev, fd))
+            if len(held) == n:
+                break
+        if len(held) == n:
+            break
+        for _, fd in held:  # never sit on a partial set: that deadlocks multi-GPU jobs
+            os.close(fd)
+        time.sleep(poll)
+    try:
+        yield [dev for dev, _ in held]
+    finally:
+        for _, fd in held:
+            os.close(fd)
+
+
+def leaked(
+    before: dict[str, Any], after: dict[str, Any], threshold_mib: float = LEAK_THRESHOLD_MIB
+) -> list[str]:
+    """Devices whose used memory grew by more than the threshold over the job."""
+    if not before.get("available") or not after.get("available"):
+        return []
+    base = {d["index"]: d["used_mib"] for d in before["devices"]}
+    return [
+        f"GPU {d['index']}: {d['used_mib'] - base.get(d['index'], 0):.0f} MiB left behind "
+        f"(pids {d['pids']})"
+        for d in after["devices"]
+        if d["used_mib"] - base.get(d["index"], 0) > threshold_mib
+    ]
+
+
+def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path) -> int:
+    """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record."""
+    with lease(gpus, device_pool() if gpus else [], lock_dir) as devices:
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        else:
+            env.setdefault("CUDA_VISIBLE_DEVICES", "")  # a CPU job must not touch a GPU
+        before = nvml_snapshot(devices or None)
+        t0 = time.time()
+        proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+        try:
+            rc = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            raise
+        # Anything the job started and left running (a server, a worker) holds memory:
+        # record it, read NVML while it still runs, then stop it.
+        try:
+            os.killpg(proc.pid, 0)
+            stragglers = True
+        except ProcessLookupError:
+            stragglers = False
+        time.sleep(1.0 if gpus else 0.0)
+        after = nvml_snapshot(devices or None)
+        if stragglers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    if rc != 0:
+        return rc
+    write_json(
+        record,
+        {
+            "rule": rule,
+            "gpus_requested": gpus,
+            "devices": devices,
+            "seconds": round(time.time() - t0, 2),
+            "before": before,
+            "after": after,
+            "stray_processes": stragglers,
+            "leaks": leaked(before, after),
+        },
+    )
+    return 0
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3lib.gpu")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a command on leased GPUs and record NVML memory")
+    r.add_argument("--gpus", type=int, default=0)
+    r.add_argument("--record", type=Path, required=True)
+    r.add_argument("--rule", required=True)
+    r.add_argument("--lock-dir", type=Path, default=Path(".snakemake/gpu_locks"))
+    r.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("snapshot", help="print the NVML reading")
+    ns = parser.parse_args(args)
+    if ns.cmd == "snapshot":
+        import json
+
+        print(json.dumps(nvml_snapshot(), indent=2))
+        return 0
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        parser.error("no command given after --")
+    return run(command, ns.gpus, ns.record, ns.rule, ns.lock_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

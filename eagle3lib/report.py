@@ -1,0 +1,187 @@
+"""reports/summary.json (the documented result), summary.md (for people) and plots."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.fileio import read_json
+from eagle3lib.gpu import leaked
+
+
+def gpu_memory_table(records: dict[str, Path]) -> dict[str, Any]:
+    """Per GPU job: NVML readings before/after, or the honest reason there are none."""
+    table = {}
+    for job, path in sorted(records.items()):
+        r = read_json(path)
+        before, after = r["before"], r["after"]
+        entry: dict[str, Any] = {"rule": r["rule"], "gpus_requested": r["gpus_requested"]}
+        if not before.get("available"):
+            entry.update(available=False, reason=before.get("reason"))
+        else:
+            entry.update(
+                available=True,
+                devices=[
+                    {
+                        "index": b["index"],
+                        "name": b["name"],
+                        "before_mib": b["used_mib"],
+                        "after_mib": a["used_mib"],
+                    }
+                    for b, a in zip(before["devices"], after["devices"], strict=True)
+                ],
+            )
+        entry["leaks"] = leaked(before, after)
+        entry["stray_processes"] = r.get("stray_processes", False)
+        table[job] = entry
+    return table
+
+
+def benchmark_seconds(paths: dict[str, Path]) -> dict[str, float]:
+    """Wall seconds per job from Snakemake's benchmark: TSV files."""
+    out = {}
+    for job, path in sorted(paths.items()):
+        with open(path, newline="") as fh:
+            rows = list(csv.DictReader(fh, delimiter="\t"))
+        if rows:
+            out[job] = round(float(rows[-1]["s"]), 2)
+    return out
+
+
+def problems_of(summary: dict[str, Any]) -> list[str]:
+    """Everything that makes the build invalid, one line each."""
+    problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
+    for job, entry in summary["gpu_memory"].items():
+        problems += [f"{job}: {leak}" for leak in entry["leaks"]]
+        if entry["stray_processes"]:
+            problems.append(f"{job}: left processes running after it finished")
+    if not summary["text_matches_verifier"]:
+        problems.append(
+            f"acceptance: {summary['acceptance']['mismatched_prompts']} prompt(s) decoded "
+            "differently from verifier-only greedy decoding"
+        )
+    return problems
+
+
+def summarize(
+    run: str,
+    verifier: dict[str, Any],
+    prepare: dict[str, Any],
+    manifests: list[dict[str, Any]],
+    vocab: dict[str, Any],
+    training: dict[str, Any],
+    checkpoint: dict[str, Any],
+    acceptance: dict[str, Any],
+    gpu_records: dict[str, Path],
+    benchmarks: dict[str, Path],
+) -> dict[str, Any]:
+    gpu = gpu_memory_table(gpu_records)
+    summary = {
+        "run": run,
+        "verifier": {
+            k: verifier[k]
+            for k in ("name", "path", "num_hidden_layers", "hidden_size", "vocab_size")
+        },
+        "k": acceptance["k"],
+        "acceptance_length": acceptance["acceptance_length"],
+        "per_position_acceptance": acceptance["per_position_acceptance"],
+        "text_matches_verifier": acceptance["text_matches_verifier"],
+        "checkpoint_valid": checkpoint["valid"],
+        "gpu_memory": gpu,
+        "acceptance": {k: v for k, v in acceptance.items() if k != "per_prompt"},
+        "checkpoint": {
+            k: checkpoint[k]
+            for k in ("valid", "problems", "verifier", "aux_layer_ids", "draft_vocab_size")
+            if k in checkpoint
+        },
+        "data": prepare,
+        "hidden_states": {
+            "shards": len(manifests),
+            "tokens": sum(m["tokens"] for m in manifests),
+            "bytes": sum(m["file"]["bytes"] for m in manifests),
+            "layer_ids": manifests[0]["layer_ids"],
+            "rejected_samples": sum(len(m["rejected"]) for m in manifests),
+        },
+        "vocab": vocab,
+        "training": training,
+        "seconds_per_job": benchmark_seconds(benchmarks),
+    }
+    summary["problems"] = problems_of(summary)
+    summary["valid"] = not summary["problems"]
+    return summary
+
+
+def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
+    acc = summary["acceptance"]
+    per_pos = ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"])
+    lines = [
+        f"# EAGLE-3 draft build `{summary['run']}`",
+        "",
+        f"Verifier **{summary['verifier']['name']}** ({summary['verifier']['num_hidden_layers']} layers, "
+        f"hidden {summary['verifier']['hidden_size']}).",
+        "",
+        "| result | value |",
+        "|---|---|",
+        f"| valid | {'yes' if summary['valid'] else 'NO'} |",
+        f"| acceptance length (k={summary['k']}) | {acc['acceptance_length']:.3f} |",
+        f"| per-position acceptance | {per_pos} |",
+        f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
+        f"| text equals verifier-only greedy | {summary['text_matches_verifier']} |",
+        f"| checkpoint valid | {summary['checkpoint_valid']} |",
+        f"| training samples kept / dropped | {summary['data']['samples']} / {sum(summary['data']['dropped'].values())} |",
+        f"| hidden-state tokens / bytes | {summary['hidden_states']['tokens']} / {summary['hidden_states']['bytes']:,} |",
+        f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",
+        "",
+    ]
+    if summary["problems"]:
+        lines += ["## Problems", ""] + [f"- {p}" for p in summary["problems"]] + [""]
+    lines += ["## GPU memory (NVML, before/after each GPU-capable job)", ""]
+    for job, entry in summary["gpu_memory"].items():
+        if not entry["available"]:
+            lines.append(f"- `{job}`: {entry['reason']}")
+        else:
+            devs = "; ".join(
+                f"GPU {d['index']} {d['before_mib']:.0f} → {d['after_mib']:.0f} MiB"
+                for d in entry["devices"]
+            )
+            lines.append(f"- `{job}`: {devs or 'no GPU leased'}")
+    lines += ["", "## Time per job (s)", ""]
+    lines += [f"- `{job}`: {s}" for job, s in summary["seconds_per_job"].items()]
+    for title, name in plots.items():
+        lines += ["", f"## {title}", "", f"![{title}]({name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(per_position: list[float], k: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    ax.bar([str(i + 1) for i in range(k)], per_position, color="#3b7dd8")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def plot_loss(curves: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(curves["step"], curves["train_loss"], label="train", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)

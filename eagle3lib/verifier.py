@@ -1,0 +1,218 @@
+"""The verifier: materialise it once (GGUF -> HF folder), record its identity, load it.
+
+The record written by the ``verifier`` rule (``verifier.json``) is the only way later stages
+find the verifier, so changing the verifier changes that file and re-runs what depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.config import PACKAGE_PREFIX, resolve_package_path
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
+
+# Hash weight files in full up to this total size; above it hash the safetensors headers
+# (tensor names, dtypes, shapes, offsets) and file sizes, which is fast for terabyte models.
+FULL_HASH_LIMIT = 8 << 30
+
+
+def text_config(config):
+    """The language-model config of a verifier; nested ``text_config`` (Kimi-K2.5, Qwen-VL)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else getattr(config, "text_config", config)
+
+
+def is_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../")) or Path(path).exists()
+
+
+def weight_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(safetensors files, pickle .bin/.pt files) of a model folder."""
+    safetensors = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(p for ext in ("*.bin", "*.pt", "*.pth") for p in folder.glob(ext))
+    return safetensors, pickles
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return fh.read(n)
+
+
+def weights_checksum(files: list[Path]) -> dict[str, Any]:
+    total = sum(f.stat().st_size for f in files)
+    if total <= FULL_HASH_LIMIT:
+        digests = {f.name: sha256_file(f) for f in files}
+        kind = "sha256"
+    else:
+        digests = {
+            f.name: sha256_bytes(_safetensors_header(f) + str(f.stat().st_size).encode())
+            for f in files
+        }
+        kind = "sha256-of-safetensors-headers"
+    return {"kind": kind, "bytes": total, "files": digests, "sha256": sha256_json(digests)}
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF checkpoint into a plain HF folder (weights fp32, tokenizer, template)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # transformers refuses to save a GGUF-loaded model; the weights are plain tensors now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = ""  # noqa: SLF001 - GGUF metadata name, not a path
+    with atomic_path(out_dir, directory=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def default_name(path: str) -> str:
+    if path.startswith(PACKAGE_PREFIX):
+        return Path(path).stem.split(".")[0]
+    return Path(path).name if is_local(path) else path
+
+
+def materialize(
+    path: str,
+    name: str | None,
+    hf_dir: Path,
+    *,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> dict[str, Any]:
+    """Make the verifier loadable and return its identity record."""
+    from transformers import AutoConfig
+
+    if path.startswith(PACKAGE_PREFIX):
+        gguf = resolve_package_path(path, "verifier.path")
+        if gguf.suffix != ".gguf":
+            raise UserError(f"config key verifier.path: {path!r} is not a .gguf file")
+        convert_gguf(gguf, hf_dir)
+        load_path, kind = str(hf_dir), "gguf"
+    elif is_local(path):
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise UserError(
+                f"config key verifier.path: {path!r} is not a model folder (no config.json); "
+                "point it at a Hugging Face model folder or a hub id"
+            )
+        load_path, kind = path, "local"
+    else:
+        load_path, kind = path, "hub"
+
+    try:
+        config = AutoConfig.from_pretrained(load_path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(
+                f"verifier {path!r} ships custom code; set verifier.trust_remote_code: true "
+                "if you trust it"
+            ) from None
+        raise UserError(f"verifier {path!r}: cannot read its config ({exc})") from None
+    except OSError as exc:
+        hint = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise UserError(
+            f"config key verifier.path: cannot load {path!r}{hint}; use a local model folder "
+            f"or a reachable hub id ({str(exc).splitlines()[0]})"
+        ) from None
+
+    weights: dict[str, Any] = {"kind": "hub", "files": {}, "sha256": None}
+    if kind != "hub":
+        safetensors, pickles = weight_files(Path(load_path))
+        if not safetensors and pickles and not allow_pickle:
+            raise UserError(
+                f"verifier {path!r} has only pickle weights ({pickles[0].name}); convert them "
+                "to safetensors, or set verifier.allow_pickle: true if you trust the files"
+            )
+        if not safetensors and not pickles:
+            raise UserError(f"verifier {path!r}: no weight files (*.safetensors) found")
+        weights = weights_checksum(safetensors or pickles)
+
+    tc = text_config(config)
+    config_dict = json.loads(config.to_json_string(use_diff=False))
+    config_dict.pop("_name_or_path", None)
+    config_dict.pop("transformers_version", None)
+    return {
+        "name": name or default_name(path),
+        "path": path,
+        "load_path": load_path,
+        "kind": kind,
+        "model_type": getattr(config, "model_type", None),
+        "text_model_type": getattr(tc, "model_type", None),
+        "num_hidden_layers": tc.num_hidden_layers,
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "config_sha256": sha256_json(config_dict),
+        "weights": weights,
+        "trust_remote_code": trust_remote_code,
+        "allow_pickle": allow_pickle,
+    }
+
+
+def read_record(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def identity(record: dict[str, Any]) -> dict[str, Any]:
+    """The fields that decide what the verifier computes (hashed into shard manifests)."""
+    return {
+        "name": record["name"],
+        "config_sha256": record["config_sha256"],
+        "weights_sha256": record["weights"]["sha256"],
+    }
+
+
+def load_tokenizer(record: dict[str, Any]):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        record["load_path"], trust_remote_code=record["trust_remote_code"]
+    )
+
+
+def load_model(record: dict[str, Any], dtype, device_map=None):
+    """The verifier as an HF causal LM in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        record["load_path"],
+        dtype=dtype,
+        device_map=device_map,
+        trust_remote_code=record["trust_remote_code"],
+        use_safetensors=not record["allow_pickle"],
+    )
+    model.eval()
+    return model
+
+
+def decoder_layers(model):
+    """The ModuleList of decoder layers of the language model (nested models included)."""
+    import torch
+
+    n = text_config(model.config).num_hidden_layers
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+        return layers
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and name.endswith("layers")
+    ]
+    if not candidates:
+        raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+    # The language model's layers have the shortest path among same-length lists.
+    return min(candidates, key=lambda c: c[0].count("."))[1]

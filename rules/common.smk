@@ -1,0 +1,144 @@
+import json
+import os
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+sys.path.insert(0, str(Path(workflow.basedir)))
+from eagle3lib.config import resolve_data_path  # noqa: E402
+from eagle3lib.errors import UserError  # noqa: E402
+
+validate(config, schema="schemas/config.schema.yaml", set_default=True)
+
+RUN = config["run"]
+N_SHARDS = config["extract"]["shards"]
+
+
+wildcard_constraints:
+    shard=r"\d+",
+
+
+# ---- paths: every artifact path is defined here, once ---------------------------------------
+
+
+def results(path):
+    """A path under results/<run>/."""
+    return f"results/{RUN}/{path}"
+
+
+def script(name):
+    """A script of this workflow, relative to the working directory (an input of its rule,
+    so editing a script re-runs the jobs it made)."""
+    return os.path.relpath(Path(workflow.basedir) / "scripts" / name)
+
+
+VERIFIER = results("verifier/verifier.json")
+VERIFIER_HF = results("verifier/hf")
+SAMPLES = results("prepared/samples.safetensors")
+SAMPLES_INFO = results("prepared/samples.json")
+SHARD = results("hidden_states/shard-{shard}.safetensors")
+SHARD_MANIFEST = results("hidden_states/shard-{shard}.json")
+VOCAB_MAP = results("vocab/vocab_map.safetensors")
+VOCAB_INFO = results("vocab/vocab.json")
+TRAIN_STATE = results("train/state")
+TRAIN_SUMMARY = results("train/summary.json")
+CHECKPOINT = results("checkpoint")
+CHECKPOINT_CONFIG = results("checkpoint/config.json")
+CHECKPOINT_WEIGHTS = results("checkpoint/model.safetensors")
+CHECKPOINT_CARD = results("checkpoint/README.md")
+CHECKPOINT_REPORT = results("reports/checkpoint.json")
+ACCEPTANCE = results("reports/acceptance.json")
+SUMMARY = results("reports/summary.json")
+SUMMARY_MD = results("reports/summary.md")
+PLOT_ACCEPTANCE = results("reports/acceptance.png")
+PLOT_LOSS = results("reports/loss.png")
+VALIDATION = results("reports/validation.txt")
+GPU_RECORD = results("gpu/{job}.json")
+
+
+def section(name, drop=("gpus", "gpus_per_job")):
+    """A config section as canonical JSON for a script's command line; as a param it re-runs
+    the rule when it changes. GPU counts are resources, not inputs of the result."""
+    values = {k: v for k, v in config[name].items() if k not in drop}
+    return json.dumps(values, sort_keys=True)
+
+
+def prepare_section():
+    """What decides the prepared samples (the eval file is an input; its prompt count is not)."""
+    data = dict(config["data"])
+    data["eval"] = {k: v for k, v in data["eval"].items() if k != "max_prompts"}
+    return json.dumps(data, sort_keys=True)
+
+
+def log(name):
+    return results(f"logs/{name}.log")
+
+
+def benchmark(name):
+    return results(f"benchmarks/{name}.tsv")
+
+
+def gpu_record(job):
+    return GPU_RECORD.format(job=job)
+
+
+# ---- inputs resolved from the config ---------------------------------------------------------
+
+
+def data_file(key):
+    """data.<key>.path as a file (package: references resolved); a bad path stops the run."""
+    try:
+        return str(resolve_data_path(config["data"][key]["path"], f"data.{key}.path"))
+    except UserError as exc:
+        raise WorkflowError(str(exc)) from None
+
+
+def verifier_inputs(wildcards):
+    """A local verifier folder's config.json, so editing the verifier re-runs the build."""
+    path = Path(config["verifier"]["path"])
+    if (
+        not config["verifier"]["path"].startswith("package:")
+        and (path / "config.json").is_file()
+    ):
+        return [str(path / "config.json")]
+    return []
+
+
+def shards():
+    return expand(SHARD, shard=range(N_SHARDS))
+
+
+def shard_manifests():
+    return expand(SHARD_MANIFEST, shard=range(N_SHARDS))
+
+
+def gpu_records():
+    jobs = [f"extract-{i}" for i in range(N_SHARDS)] + ["train", "evaluate"]
+    return {job: gpu_record(job) for job in jobs}
+
+
+def benchmarks():
+    jobs = ["verifier", "prepare", "vocab", "train", "evaluate"]
+    jobs += [f"extract-{i}" for i in range(N_SHARDS)]
+    return {job: benchmark(job) for job in jobs}
+
+
+def report_inputs(wildcards):
+    return {
+        "verifier": VERIFIER,
+        "samples_info": SAMPLES_INFO,
+        "manifests": shard_manifests(),
+        "vocab_info": VOCAB_INFO,
+        "train_summary": TRAIN_SUMMARY,
+        "checkpoint_report": CHECKPOINT_REPORT,
+        "acceptance": ACCEPTANCE,
+        "gpu": list(gpu_records().values()),
+        "benchmarks": list(benchmarks().values()),
+        "script": script("report.py"),
+    }
+
+
+def final_targets():
+    return [SUMMARY, VALIDATION, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS]

@@ -1,0 +1,22 @@
+rule prepare:
+    """Tokenize conversations with the verifier's chat template; loss masks on assistant tokens."""
+    input:
+        verifier=VERIFIER,
+        train=data_file("train"),
+        eval=data_file("eval"),
+        script=script("prepare.py"),
+    output:
+        samples=SAMPLES,
+        info=SAMPLES_INFO,
+    log:
+        log("prepare"),
+    benchmark:
+        benchmark("prepare")
+    conda:
+        "../envs/train.yaml"
+    params:
+        data=prepare_section(),
+    shell:
+        "python {input.script} --verifier {input.verifier} --train {input.train}"
+        " --eval {input.eval} --data {params.data:q}"
+        " --out-samples {output.samples} --out-info {output.info} > {log} 2>&1"

@@ -1,0 +1,29 @@
+rule extract:
+    """Hidden states of one shard: aux layers and the final layer's pre-norm output, bf16."""
+    input:
+        verifier=VERIFIER,
+        samples=SAMPLES,
+        info=SAMPLES_INFO,
+        script=script("extract.py"),
+        gpu_job=script("gpu_job.py"),
+    output:
+        shard=SHARD,
+        manifest=SHARD_MANIFEST,
+        gpu=gpu_record("extract-{shard}"),
+    log:
+        log("extract-{shard}"),
+    benchmark:
+        benchmark("extract-{shard}")
+    conda:
+        "../envs/train.yaml"
+    threads: 4
+    resources:
+        gpu=config["extract"]["gpus_per_job"],
+    params:
+        extract=section("extract"),
+    shell:
+        "python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
+        " python {input.script} --verifier {input.verifier} --samples {input.samples}"
+        " --info {input.info} --shard {wildcards.shard} --extract {params.extract:q}"
+        " --threads {threads} --out-shard {output.shard} --out-manifest {output.manifest}"
+        " > {log} 2>&1"

@@ -1,0 +1,39 @@
+rule report:
+    """reports/summary.json (documented in the README), summary.md and plots."""
+    input:
+        unpack(report_inputs),
+    output:
+        summary=SUMMARY,
+        markdown=SUMMARY_MD,
+        plot_acceptance=PLOT_ACCEPTANCE,
+        plot_loss=PLOT_LOSS,
+    log:
+        log("report"),
+    conda:
+        "../envs/train.yaml"
+    params:
+        run=RUN,
+    shell:
+        "python {input.script} --run {params.run} --verifier {input.verifier}"
+        " --samples-info {input.samples_info} --manifests {input.manifests}"
+        " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
+        " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
+        " --gpu {input.gpu} --benchmarks {input.benchmarks}"
+        " --out {output.summary} --out-markdown {output.markdown}"
+        " --out-plot-acceptance {output.plot_acceptance} --out-plot-loss {output.plot_loss}"
+        " > {log} 2>&1"
+
+
+rule validate:
+    """Fail the build, naming each problem, if the summary is not valid."""
+    input:
+        summary=SUMMARY,
+        script=script("validate.py"),
+    output:
+        VALIDATION,
+    log:
+        log("validate"),
+    conda:
+        "../envs/train.yaml"
+    shell:
+        "python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"

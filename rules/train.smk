@@ -1,0 +1,34 @@
+rule train:
+    """Train the draft with speculators from the shards; export a portable checkpoint."""
+    input:
+        verifier=VERIFIER,
+        shards=shards(),
+        manifests=shard_manifests(),
+        vocab_map=VOCAB_MAP,
+        script=script("train.py"),
+        gpu_job=script("gpu_job.py"),
+    output:
+        config=CHECKPOINT_CONFIG,
+        weights=CHECKPOINT_WEIGHTS,
+        card=CHECKPOINT_CARD,
+        summary=TRAIN_SUMMARY,
+        gpu=gpu_record("train"),
+    log:
+        log("train"),
+    benchmark:
+        benchmark("train")
+    conda:
+        "../envs/train.yaml"
+    threads: 4
+    resources:
+        gpu=config["train"]["gpus"],
+    params:
+        train=section("train"),
+        state=TRAIN_STATE,
+    shell:
+        "python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
+        " python {input.script} --verifier {input.verifier} --shards {input.shards}"
+        " --manifests {input.manifests} --vocab-map {input.vocab_map}"
+        " --train {params.train:q} --state-dir {params.state} --threads {threads}"
+        " --out-config {output.config} --out-weights {output.weights}"
+        " --out-card {output.card} --out-summary {output.summary} > {log} 2>&1"

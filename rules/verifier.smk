@@ -1,0 +1,19 @@
+rule verifier:
+    """Make the verifier loadable (a packaged GGUF becomes an HF folder) and record its identity."""
+    input:
+        verifier_inputs,
+        script=script("verifier.py"),
+    output:
+        record=VERIFIER,
+    log:
+        log("verifier"),
+    benchmark:
+        benchmark("verifier")
+    conda:
+        "../envs/train.yaml"
+    params:
+        verifier=section("verifier"),
+        hf_dir=VERIFIER_HF,
+    shell:
+        "python {input.script} --verifier {params.verifier:q} --hf-dir {params.hf_dir}"
+        " --out {output.record} > {log} 2>&1"

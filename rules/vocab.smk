@@ -1,0 +1,20 @@
+rule vocab:
+    """d2t/t2d: the draft_vocab_size most frequent supervised tokens."""
+    input:
+        samples=SAMPLES,
+        script=script("vocab.py"),
+    output:
+        vocab_map=VOCAB_MAP,
+        info=VOCAB_INFO,
+    log:
+        log("vocab"),
+    benchmark:
+        benchmark("vocab")
+    conda:
+        "../envs/train.yaml"
+    params:
+        draft_vocab_size=config["train"]["draft_vocab_size"],
+    shell:
+        "python {input.script} --samples {input.samples}"
+        " --draft-vocab-size {params.draft_vocab_size}"
+        " --out-map {output.vocab_map} --out-info {output.info} > {log} 2>&1"

@@ -1,0 +1,31 @@
+"""Check the checkpoint's format and reload it with speculators (reports/checkpoint.json)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.errors import cli
+from eagle3lib.fileio import read_json, write_json
+from eagle3lib.verifier import read_record
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
+    p.add_argument("--manifest", type=Path, required=True, help="a shard manifest (layer ids)")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+
+    from eagle3lib import checkpoint
+
+    aux = read_json(a.manifest)["layer_ids"][:-1]
+    report = checkpoint.check(a.config.parent, read_record(a.verifier), aux)
+    write_json(a.out, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "tensors"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Offline acceptance of the draft on held-out prompts (greedy chain, HF verifier)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.config import EvaluateConfig, from_json
+from eagle3lib.errors import cli
+from eagle3lib.fileio import read_json, write_json
+from eagle3lib.verifier import read_record
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
+    p.add_argument("--manifest", type=Path, required=True, help="a shard manifest (layer ids)")
+    p.add_argument("--prompts", type=Path, required=True)
+    p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
+    p.add_argument("--evaluate", required=True, help="the config's evaluate section as JSON")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+
+    import torch
+
+    from eagle3lib import checkpoint, data, evaluate, verifier
+    from eagle3lib.hidden_states import resolve_dtype
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = from_json(EvaluateConfig, a.evaluate)
+    record = read_record(a.verifier)
+    aux = read_json(a.manifest)["layer_ids"][:-1]
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = verifier.load_tokenizer(record)
+    prompts = data.read_eval_prompts(a.prompts, a.max_prompts or None)
+    for prompt in prompts:
+        prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
+    model = verifier.load_model(
+        record, dtype, device_map={"": device} if device.type == "cuda" else None
+    )
+    draft = checkpoint.load_draft(a.config.parent, record["load_path"], "sdpa", dtype).to(device)
+    result = evaluate.evaluate(
+        model,
+        draft,
+        tokenizer,
+        prompts,
+        cfg,
+        aux,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    result["device"] = device.type
+    result["dtype"] = str(dtype).removeprefix("torch.")
+    write_json(a.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Extract one shard of verifier hidden states (aux layers + final pre-norm layer)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.config import ExtractConfig, from_json
+from eagle3lib.data import load_samples
+from eagle3lib.errors import cli
+from eagle3lib.fileio import read_json
+from eagle3lib.verifier import read_record
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--samples", type=Path, required=True)
+    p.add_argument("--info", type=Path, required=True)
+    p.add_argument("--shard", type=int, required=True)
+    p.add_argument("--extract", required=True, help="the config's extract section as JSON")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out-shard", type=Path, required=True)
+    p.add_argument("--out-manifest", type=Path, required=True)
+    a = p.parse_args()
+
+    import torch
+
+    from eagle3lib.hidden_states import extract_shard
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = from_json(ExtractConfig, a.extract)
+    ids = read_json(a.info)["ids"]
+    stats = extract_shard(
+        load_samples(a.samples),
+        ids,
+        a.shard,
+        cfg,
+        read_record(a.verifier),
+        a.out_shard,
+        a.out_manifest,
+    )
+    if stats["rejected"]:
+        print(
+            f"warning: {stats['rejected']} sample(s) rejected for non-finite states",
+            file=sys.stderr,
+        )
+    print(json.dumps(stats, indent=2))
+
+
+if __name__ == "__main__":
+    main()

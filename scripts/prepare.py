@@ -1,0 +1,37 @@
+"""Tokenize training conversations with the verifier's chat template (loss masks included)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib import data
+from eagle3lib.config import PrepareConfig, from_dict
+from eagle3lib.errors import cli
+from eagle3lib.fileio import write_json
+from eagle3lib.verifier import load_tokenizer, read_record
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--train", type=Path, required=True)
+    p.add_argument("--eval", type=Path, required=True, help="held-out prompts to exclude")
+    p.add_argument("--data", required=True, help="the config's data section as JSON")
+    p.add_argument("--out-samples", type=Path, required=True)
+    p.add_argument("--out-info", type=Path, required=True)
+    a = p.parse_args()
+    section = json.loads(a.data)
+    cfg = from_dict(PrepareConfig, {**section, **section["train"]})
+    record = read_record(a.verifier)
+    tokenizer = load_tokenizer(record)
+    held_out = {data.normalize_prompt_text(x["text"]) for x in data.read_eval_prompts(a.eval, None)}
+    prepared = data.prepare_samples(tokenizer, a.train, cfg, exclude_prompts=held_out)
+    data.save_prepared(prepared, a.out_samples, record["vocab_size"])
+    write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})
+    print(json.dumps(prepared.summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Write reports/summary.json, summary.md and the plots from every stage's outputs."""
+
+import argparse
+import json
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib import report
+from eagle3lib.errors import cli
+from eagle3lib.fileio import atomic_path, read_json, write_json
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--run", required=True)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--samples-info", type=Path, required=True)
+    p.add_argument("--manifests", type=Path, nargs="+", required=True)
+    p.add_argument("--vocab-info", type=Path, required=True)
+    p.add_argument("--train-summary", type=Path, required=True)
+    p.add_argument("--checkpoint-report", type=Path, required=True)
+    p.add_argument("--acceptance", type=Path, required=True)
+    p.add_argument("--gpu", type=Path, nargs="+", required=True, help="gpu/<job>.json records")
+    p.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="benchmarks/<job>.tsv")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out-markdown", type=Path, required=True)
+    p.add_argument("--out-plot-acceptance", type=Path, required=True)
+    p.add_argument("--out-plot-loss", type=Path, required=True)
+    a = p.parse_args()
+
+    prepare = read_json(a.samples_info)
+    prepare.pop("ids", None)
+    training = read_json(a.train_summary)
+    curves = training.pop("curves")
+    summary = report.summarize(
+        run=a.run,
+        verifier=read_json(a.verifier),
+        prepare=prepare,
+        manifests=[read_json(m) for m in a.manifests],
+        vocab=read_json(a.vocab_info),
+        training={
+            **training,
+            "final_train_loss": (curves["train_loss"] or [None])[-1],
+            "val": curves["val"],
+        },
+        checkpoint=read_json(a.checkpoint_report),
+        acceptance=read_json(a.acceptance),
+        gpu_records={g.stem: g for g in a.gpu},
+        benchmarks={b.stem: b for b in a.benchmarks if b.exists()},
+    )
+    with atomic_path(a.out_plot_acceptance) as tmp:
+        report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)
+    with atomic_path(a.out_plot_loss) as tmp:
+        report.plot_loss(curves, tmp)
+    plots = {
+        "Per-position acceptance": a.out_plot_acceptance.name,
+        "Training loss": a.out_plot_loss.name,
+    }
+    with atomic_path(a.out_markdown) as tmp:
+        tmp.write_text(report.markdown(summary, plots))
+    write_json(a.out, summary)
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("acceptance_length", "per_position_acceptance", "valid")},
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Train the EAGLE-3 draft with speculators and export the checkpoint (+ model card)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.config import TrainConfig, from_json
+from eagle3lib.errors import cli
+from eagle3lib.fileio import atomic_path, write_json
+from eagle3lib.verifier import read_record
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True)
+    p.add_argument("--shards", type=Path, nargs="+", required=True)
+    p.add_argument("--manifests", type=Path, nargs="+", required=True)
+    p.add_argument("--vocab-map", type=Path, required=True)
+    p.add_argument("--train", required=True, help="the config's train section as JSON")
+    p.add_argument("--state-dir", type=Path, required=True, help="resumable trainer state")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out-config", type=Path, required=True)
+    p.add_argument("--out-weights", type=Path, required=True)
+    p.add_argument("--out-card", type=Path, required=True)
+    p.add_argument("--out-summary", type=Path, required=True)
+    a = p.parse_args()
+
+    import torch
+
+    from eagle3lib import checkpoint, train, vocab
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = from_json(TrainConfig, a.train)
+    record = read_record(a.verifier)
+    metrics = a.state_dir / "metrics.jsonl"
+    stats = train.train(
+        cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
+    )
+    out_dir = a.out_config.parent
+    assert a.out_weights.parent == out_dir, "config and weights must share the checkpoint folder"
+    config = checkpoint.export(Path(stats["final_epoch_dir"]), out_dir, record["name"])
+    stats["epochs"] = cfg.epochs
+    with atomic_path(a.out_card) as tmp:
+        tmp.write_text(checkpoint.model_card(config, record, stats))
+    summary = {**stats, "curves": train.loss_curves(train.read_metrics(metrics))}
+    write_json(a.out_summary, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k != "curves"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Fail (naming each problem) unless reports/summary.json says the build is valid."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.errors import UserError, cli
+from eagle3lib.fileio import atomic_path, read_json
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--summary", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    summary = read_json(a.summary)
+    if summary["problems"]:
+        for problem in summary["problems"]:
+            print(f"problem: {problem}", file=sys.stderr)
+        raise UserError(
+            f"{a.summary}: {len(summary['problems'])} problem(s): {summary['problems'][0]}"
+        )
+    with atomic_path(a.out) as tmp:
+        tmp.write_text(
+            f"valid: acceptance_length={summary['acceptance_length']:.4f} k={summary['k']} "
+            f"checkpoint_valid={summary['checkpoint_valid']}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

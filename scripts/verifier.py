@@ -1,0 +1,33 @@
+"""Materialise the verifier and write its identity record (verifier.json)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.errors import cli
+from eagle3lib.fileio import write_json
+from eagle3lib.verifier import materialize
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", required=True, help="the config's verifier section as JSON")
+    p.add_argument("--hf-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    v = json.loads(a.verifier)
+    record = materialize(
+        v["path"],
+        v.get("name"),
+        a.hf_dir,
+        trust_remote_code=v.get("trust_remote_code", False),
+        allow_pickle=v.get("allow_pickle", False),
+    )
+    write_json(a.out, record)
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
