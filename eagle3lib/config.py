@@ -110,3 +110,28 @@ class EvaluateConfig:
     max_new_tokens: int = 256
     dtype: str = "auto"
     gpus: int = 0
+
+
+def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
+    """Schema violations of ``config``, one line each, naming the key and what to do."""
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    messages = []
+    for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.path))):
+        where = ".".join(str(p) for p in error.path)
+        if error.validator == "additionalProperties":
+            allowed = sorted(error.schema.get("properties", {}))
+            unknown = sorted(set(error.instance) - set(allowed))
+            for key in unknown:
+                full = f"{where}.{key}" if where else key
+                messages.append(
+                    f"config key {full}: unknown key; allowed here: {', '.join(allowed)}"
+                )
+        elif error.validator == "required":
+            messages.append(f"config key {where or '<top level>'}: {error.message}")
+        else:
+            messages.append(f"config key {where or '<top level>'}: {error.message}")
+    return messages

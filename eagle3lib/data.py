@@ -110,8 +110,16 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            if allow_truncated_json and text[exc.pos :].strip() == "":
+            # The file ends inside this record: a string runs to EOF, or the error is at EOF.
+            cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.rstrip())
+            if cut and allow_truncated_json:
                 return
+            if cut:
+                raise UserError(
+                    f"{path}:{line_of(start)}: the file ends inside this record (truncated?); "
+                    "repair it or set data.train.allow_truncated_json: true to keep the records "
+                    "before it"
+                ) from None
             raise UserError(
                 f"{path}:{line_of(exc.pos)}: invalid JSON ({exc.msg}); fix the record or, "
                 "for a file cut off mid-record, set data.train.allow_truncated_json: true"

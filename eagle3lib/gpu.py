@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,11 +79,15 @@ def lease(n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5) -> Ite
         return
     if n > len(pool):
         raise SystemExit(f"error: job needs {n} GPU(s), the pool has {len(pool)} ({list(pool)})")
+    if os.environ.get("SLURM_JOB_ID"):  # the allocation is ours alone: no locks needed
+        yield list(pool[:n])
+        return
     lock_dir.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()  # lock files may sit on a filesystem shared by several hosts
     while True:
         held: list[tuple[int, int]] = []
         for dev in pool:
-            fd = os.open(lock_dir / f"gpu{dev}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_dir / f"{host}-gpu{dev}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -122,10 +127,8 @@ def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path)
     """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record."""
     with lease(gpus, device_pool() if gpus else [], lock_dir) as devices:
         env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-        else:
-            env.setdefault("CUDA_VISIBLE_DEVICES", "")  # a CPU job must not touch a GPU
+        # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         before = nvml_snapshot(devices or None)
         t0 = time.time()
         proc = subprocess.Popen(list(argv), env=env, start_new_session=True)

@@ -3,14 +3,24 @@ import os
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))
-from eagle3lib.config import resolve_data_path  # noqa: E402
+from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
+from eagle3lib.verifier import is_local  # noqa: E402
 
-validate(config, schema="schemas/config.schema.yaml", set_default=True)
+
+def fail(message):
+    """Stop with a one-line error (no traceback) and a non-zero exit."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+CONFIG_SCHEMA = "schemas/config.schema.yaml"
+for problem in config_errors(config, Path(workflow.basedir) / "rules" / CONFIG_SCHEMA):
+    fail(problem)
+validate(config, schema=CONFIG_SCHEMA, set_default=True)
 
 RUN = config["run"]
 N_SHARDS = config["extract"]["shards"]
@@ -92,18 +102,17 @@ def data_file(key):
     try:
         return str(resolve_data_path(config["data"][key]["path"], f"data.{key}.path"))
     except UserError as exc:
-        raise WorkflowError(str(exc)) from None
+        fail(exc)
 
 
 def verifier_inputs(wildcards):
     """A local verifier folder's config.json, so editing the verifier re-runs the build."""
-    path = Path(config["verifier"]["path"])
-    if (
-        not config["verifier"]["path"].startswith("package:")
-        and (path / "config.json").is_file()
-    ):
-        return [str(path / "config.json")]
-    return []
+    spec = config["verifier"]["path"]
+    if spec.startswith("package:") or not is_local(spec):
+        return []
+    if not Path(spec).is_dir():
+        fail(f"config key verifier.path: folder {spec!r} does not exist")
+    return [str(Path(spec) / "config.json")]
 
 
 def shards():
@@ -141,4 +150,12 @@ def report_inputs(wildcards):
 
 
 def final_targets():
-    return [SUMMARY, VALIDATION, CHECKPOINT_CONFIG, CHECKPOINT_WEIGHTS]
+    """The checkpoint, the validated report, and the shards (a deleted shard is rebuilt)."""
+    return [
+        SUMMARY,
+        VALIDATION,
+        CHECKPOINT_CONFIG,
+        CHECKPOINT_WEIGHTS,
+        *shards(),
+        *shard_manifests(),
+    ]

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def verifier_dir(tmp_path_factory) -> Path:
+    """Tiny random Llama verifier (8 layers, hidden 64) with a ChatML tokenizer."""
+    return tiny.build_verifier(tmp_path_factory.mktemp("verifier") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(verifier_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(verifier_dir)
+
+
+@pytest.fixture(scope="session")
+def verifier_model(verifier_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def verifier_record(verifier_dir, tmp_path_factory):
+    from eagle3lib.verifier import materialize
+
+    return materialize(str(verifier_dir), "tiny-llama", tmp_path_factory.mktemp("hf") / "hf")
+
+
+def run_snakemake(workdir: Path, configfile: Path | None, *args: str, check: bool = True):
+    """A real `snakemake` run in ``workdir`` with this repo's Snakefile; returns the process."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--workflow-profile",
+        "none",
+    ]
+    cmd += args  # targets before --configfile, which takes several values
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's 'Job stats' table as {rule: count} (empty when nothing was to be done)."""
+    counts: dict[str, int] = {}
+    if "Job stats:" not in output:
+        return counts
+    table = output.split("Job stats:", 1)[1]
+    for line in table.splitlines()[3:]:
+        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        if m.group(1) != "total":
+            counts[m.group(1)] = int(m.group(2))
+    return counts
+
+
+def executed_jobs(output: str) -> list[str]:
+    """'rule X:' headers of jobs snakemake started, with their wildcards, e.g. 'extract[shard=1]'."""
+    jobs = []
+    blocks = re.split(r"\n(?=(?:local)?rule \w+:)", output)
+    for block in blocks:
+        m = re.match(r"(?:local)?rule (\w+):", block.strip())
+        if not m:
+            continue
+        w = re.search(r"wildcards: ([^\n]+)", block)
+        jobs.append(f"{m.group(1)}[{w.group(1)}]" if w else m.group(1))
+    return jobs
+
+
+@pytest.fixture(scope="session")
+def pipeline(tokenizer, verifier_record, tmp_path_factory):
+    """Prepared samples, two shards, a vocab map and a trained tiny draft (a few seconds)."""
+    from eagle3lib import checkpoint, data, hidden_states, train, vocab
+    from eagle3lib.config import ExtractConfig, PrepareConfig, TrainConfig
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    path = tiny.write_jsonl(tmp / "train.jsonl", tiny.conversations(40, seed=5))
+    prepared = data.prepare_samples(tokenizer, path, PrepareConfig(max_length=128))
+    data.save_prepared(prepared, tmp / "samples.safetensors", verifier_record["vocab_size"])
+    samples = data.load_samples(tmp / "samples.safetensors")
+    extract_cfg = ExtractConfig(shards=2, batch_tokens=512)
+    shards, manifests = [], []
+    for i in range(2):
+        shards.append(tmp / f"shard-{i}.safetensors")
+        manifests.append(tmp / f"shard-{i}.json")
+        hidden_states.extract_shard(
+            samples, prepared.ids, i, extract_cfg, verifier_record, shards[i], manifests[i]
+        )
+    d2t, t2d = vocab.build(samples.token_freq, 256)
+    train_cfg = TrainConfig(
+        epochs=2, total_seq_len=256, draft_vocab_size=256, optimizer="adamw", lr=3e-3, seed=0
+    )
+    stats = train.train(
+        train_cfg,
+        verifier_record,
+        shards,
+        manifests,
+        {"d2t": d2t, "t2d": t2d},
+        tmp / "state",
+        tmp / "state" / "metrics.jsonl",
+    )
+    ckpt = tmp / "checkpoint"
+    checkpoint.export(Path(stats["final_epoch_dir"]), ckpt, verifier_record["name"])
+    return {
+        "dir": tmp,
+        "samples": samples,
+        "ids": prepared.ids,
+        "shards": shards,
+        "manifests": manifests,
+        "vocab_map": {"d2t": d2t, "t2d": t2d},
+        "train_cfg": train_cfg,
+        "stats": stats,
+        "checkpoint": ckpt,
+        "record": verifier_record,
+    }

@@ -1,0 +1,89 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3lib import checkpoint
+
+
+def test_exported_checkpoint_is_portable_and_valid(pipeline):
+    ckpt = pipeline["checkpoint"]
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama"
+    assert checkpoint.absolute_paths(config) == []
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["draft_vocab_size"] == 256
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    assert torch.equal(tensors["d2t"], pipeline["vocab_map"]["d2t"])
+    assert torch.equal(tensors["t2d"], pipeline["vocab_map"]["t2d"])
+    assert (
+        tensors["fc.weight"].shape == (64, 3 * 64) and tensors["fc.weight"].dtype == torch.bfloat16
+    )
+    assert tensors["lm_head.weight"].shape == (256, 64)
+
+    report = checkpoint.check(ckpt, pipeline["record"], [2, 4, 5])
+    assert report["problems"] == [] and report["valid"] is True
+    assert report["reload_forward"] == {"ttt_steps": 3, "shape": [1, 8]}
+
+
+@pytest.fixture
+def broken(pipeline, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(pipeline["checkpoint"], ckpt)
+    return ckpt
+
+
+def rewrite_tensors(ckpt, fn):
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda t: t.pop("fc.weight"), "tensor fc.weight missing"),
+        (lambda t: t.update({"norm.weight": t["norm.weight"].float()}), "norm.weight is F32"),
+        (
+            lambda t: t.update({"lm_head.weight": torch.zeros(10, 64, dtype=torch.bfloat16)}),
+            "lm_head.weight has shape [10, 64]",
+        ),
+        (lambda t: t.update({"d2t": t["d2t"].flip(0)}), "d2t does not map"),
+        (lambda t: t.update({"t2d": torch.zeros_like(t["t2d"])}), "t2d marks 0 tokens"),
+    ],
+)
+def test_damaged_tensors_are_reported(broken, pipeline, damage, problem):
+    rewrite_tensors(broken, damage)
+    report = checkpoint.check(broken, pipeline["record"], [2, 4, 5])
+    assert report["valid"] is False
+    assert any(problem in p for p in report["problems"]), report["problems"]
+
+
+def test_config_problems_are_reported(broken, pipeline):
+    config = json.loads((broken / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = "/home/me/models/tiny"
+    (broken / "config.json").write_text(json.dumps(config))
+    report = checkpoint.check(broken, pipeline["record"], [1, 2, 3])
+    assert any("absolute path" in p for p in report["problems"])
+    assert any("!= extraction layers [1, 2, 3]" in p for p in report["problems"])
+
+
+def test_truncated_weights_are_reported(broken, pipeline):
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    report = checkpoint.check(broken, pipeline["record"], [2, 4, 5])
+    assert report["valid"] is False
+    assert report["problems"][0].startswith("model.safetensors unreadable")
+
+
+def test_model_card_has_the_vllm_command(pipeline):
+    config = json.loads((pipeline["checkpoint"] / "config.json").read_text())
+    card = checkpoint.model_card(
+        config, pipeline["record"], {"epochs": 2, "train_samples": 36, "device": "cpu"}
+    )
+    assert "vllm serve tiny-llama --speculative-config" in card
+    assert '"method": "eagle3"' in card and '"num_speculative_tokens": 3' in card

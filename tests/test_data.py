@@ -1,0 +1,237 @@
+import json
+
+import numpy as np
+import pytest
+import tiny
+
+from eagle3lib import data
+from eagle3lib.config import PrepareConfig
+from eagle3lib.errors import UserError
+
+
+def spans(ids, mask, tokenizer):
+    """Decoded text of each contiguous supervised span."""
+    out, start = [], None
+    for i, m in enumerate([*mask.tolist(), 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append(tokenizer.decode(ids[start:i].tolist()))
+            start = None
+    return out
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "Hi. How can I help?"},
+    {"role": "user", "content": "Tell me two numbers"},
+    {"role": "assistant", "content": "One and two."},
+]
+
+
+def test_loss_mask_covers_assistant_turns_and_end_of_turn_only(tokenizer):
+    [(ids, mask)] = data.tokenize_conversation(tokenizer, CHAT)
+    assert tokenizer.decode(ids.tolist()) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert spans(ids, mask, tokenizer) == [
+        "Hi. How can I help?<|im_end|>\n",
+        "One and two.<|im_end|>\n",
+    ]
+    # Nothing of the system/user turns nor the assistant header is supervised.
+    prompt = data._render(tokenizer, CHAT[:2], add_generation_prompt=True)
+    assert mask[: len(prompt)].sum() == 0
+
+
+def test_conversation_ending_with_user_turn_and_leading_assistant(tokenizer):
+    chat = [
+        {"role": "assistant", "content": "Welcome!"},  # no user before: context only
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    [(ids, mask)] = data.tokenize_conversation(tokenizer, chat)
+    assert spans(ids, mask, tokenizer) == ["Hello.<|im_end|>\n"]
+    assert "Bye" not in tokenizer.decode(ids.tolist())  # trailing user turn is not rendered
+
+
+def test_think_template_fans_out_one_sample_per_turn(tmp_path):
+    tok = tiny.build_tokenizer(tmp_path, tiny.THINK_TEMPLATE)
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>x y</think> first"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "<think>z</think> second"},
+    ]
+    samples = data.tokenize_conversation(tok, chat)
+    assert len(samples) == 2
+    assert spans(*samples[0], tok) == ["<think>x y</think> first<|im_end|>\n"]
+    # The second sample is what the verifier sees at turn 2: history without the think block.
+    assert "x y" not in tok.decode(samples[1][0].tolist())
+    assert spans(*samples[1], tok) == ["<think>z</think> second<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "openai"])
+def test_sharegpt_and_openai_records_normalise_the_same(fmt):
+    [record] = tiny.conversations(1, seed=3, fmt=fmt)
+    messages = data.normalize_conversation(record)
+    [reference] = tiny.conversations(1, seed=3, fmt="openai")
+    assert messages == reference["messages"]
+
+
+def test_json_array_and_jsonl_read_the_same(tmp_path):
+    records = tiny.conversations(5)
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=2))
+    tiny.write_jsonl(tmp_path / "a.jsonl", records)
+    from_json = [r for _, r in data.read_records(tmp_path / "a.json")]
+    from_jsonl = [r for _, r in data.read_records(tmp_path / "a.jsonl")]
+    assert from_json == from_jsonl == records
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": []}\n{"messages": [}\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: invalid JSON"):
+        list(data.read_records(path))
+
+
+def test_truncated_json_array_needs_opt_in(tmp_path):
+    records = tiny.conversations(3)
+    text = json.dumps(records, indent=1)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: text.rindex('"value"') + 12])  # cut inside the last record
+    with pytest.raises(UserError, match="allow_truncated_json"):
+        list(data.read_records(path))
+    kept = [r for _, r in data.read_records(path, allow_truncated_json=True)]
+    assert kept == records[:2]
+
+
+def test_non_utf8_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin1\.jsonl:2: not valid UTF-8"):
+        list(data.read_records(path))
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ({"text": "hi"}, "neither 'conversations'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
+        ({"messages": [{"role": "user", "content": "  "}]}, "empty content"),
+        ({"messages": "hello"}, "not a list"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_invalid_records_are_named(record, reason):
+    with pytest.raises(data.InvalidRecord, match=reason):
+        data.normalize_conversation(record)
+
+
+def prepare(tokenizer, tmp_path, records, **cfg):
+    path = tiny.write_jsonl(tmp_path / "train.jsonl", records)
+    return data.prepare_samples(tokenizer, path, PrepareConfig(**cfg))
+
+
+def test_prepare_counts_drops_and_token_frequencies(tokenizer, tmp_path):
+    records = tiny.conversations(6, fmt="openai")
+    records.insert(2, {"messages": [{"role": "user", "content": "only a question"}]})
+    records.insert(4, {"messages": [{"role": "user", "content": ""}]})
+    prepared = prepare(tokenizer, tmp_path, records, on_invalid_record="skip")
+    assert prepared.summary["samples"] == 6
+    assert prepared.summary["dropped"] == {"invalid: empty content": 1, "no_assistant_turn": 1}
+    supervised = np.concatenate(
+        [
+            ids[m.astype(bool)]
+            for ids, m in zip(prepared.input_ids, prepared.loss_masks, strict=True)
+        ]
+    )
+    assert (
+        sum(prepared.token_freq.values())
+        == len(supervised)
+        == prepared.summary["supervised_tokens"]
+    )
+    assert prepared.ids[:2] == ["c0", "c1"]
+
+
+def test_invalid_record_is_fatal_by_default(tokenizer, tmp_path):
+    records = [
+        *tiny.conversations(2, fmt="openai"),
+        {"messages": [{"role": "bot", "content": "x"}]},
+    ]
+    with pytest.raises(UserError, match=r"train\.jsonl:3: unknown role .*on_invalid_record: skip"):
+        prepare(tokenizer, tmp_path, records)
+
+
+def test_max_length_truncates_or_drops(tokenizer, tmp_path):
+    records = tiny.conversations(8, fmt="openai")
+    full = prepare(tokenizer, tmp_path, records, max_length=4096)
+    longest = max(len(t) for t in full.input_ids)
+    cut = prepare(tokenizer, tmp_path, records, max_length=longest - 5)
+    assert max(len(t) for t in cut.input_ids) == longest - 5
+    assert cut.summary["truncated"] >= 1
+    dropped = prepare(tokenizer, tmp_path, records, max_length=longest - 5, truncation="drop")
+    assert dropped.summary["dropped"]["too_long"] >= 1
+    assert len(dropped.ids) == len(full.ids) - dropped.summary["dropped"]["too_long"]
+
+
+def test_empty_dataset_and_no_assistant_turn_are_errors(tokenizer, tmp_path):
+    with pytest.raises(UserError, match="no usable training samples"):
+        prepare(tokenizer, tmp_path, [])
+    with pytest.raises(UserError, match="no_assistant_turn: 2"):
+        prepare(tokenizer, tmp_path, [{"messages": [{"role": "user", "content": "q"}]}] * 2)
+
+
+def test_tokenizer_without_chat_template_is_an_error(tokenizer, tmp_path):
+    tok = tiny.build_tokenizer(tmp_path / "tok")
+    tok.chat_template = None
+    with pytest.raises(UserError, match="no chat template"):
+        prepare(tok, tmp_path, tiny.conversations(2))
+
+
+def test_eval_prompts_are_held_out_of_training(tokenizer, tmp_path):
+    records = tiny.conversations(4, fmt="openai")
+    first_user = records[1]["messages"][0]["content"]
+    path = tiny.write_jsonl(tmp_path / "train.jsonl", records)
+    prepared = data.prepare_samples(
+        tokenizer, path, PrepareConfig(), exclude_prompts={data.normalize_prompt_text(first_user)}
+    )
+    assert prepared.summary["dropped"] == {"eval_prompt_overlap": 1}
+    assert "c1" not in prepared.ids
+
+
+def test_eval_prompt_formats(tmp_path):
+    path = tiny.write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"question_id": 81, "turns": ["first turn", "second turn"]},
+            {"task_id": "HumanEval/0", "prompt": "def f():\n"},
+            {
+                "id": "x",
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                ],
+            },
+        ],
+    )
+    prompts = data.read_eval_prompts(path, None)
+    assert [(p["id"], p["text"]) for p in prompts] == [
+        ("81", "first turn"),
+        ("HumanEval/0", "def f():\n"),
+        ("x", "hi"),
+    ]
+    assert len(data.read_eval_prompts(path, 2)) == 2
+
+
+def test_prepared_samples_round_trip_and_shard_ranges(tokenizer, tmp_path):
+    prepared = prepare(tokenizer, tmp_path, tiny.conversations(7))
+    data.save_prepared(prepared, tmp_path / "s.safetensors", len(tokenizer))
+    samples = data.load_samples(tmp_path / "s.safetensors")
+    assert len(samples) == 7
+    for i in range(7):
+        ids, mask = samples.sample(i)
+        assert np.array_equal(ids, prepared.input_ids[i])
+        assert np.array_equal(mask, prepared.loss_masks[i])
+    assert int(samples.token_freq.sum()) == prepared.summary["supervised_tokens"]
+    ranges = [data.shard_range(7, i, 3) for i in range(3)]
+    assert ranges == [(0, 2), (2, 4), (4, 7)]

@@ -1,0 +1,214 @@
+import numpy as np
+import pytest
+import tiny
+import torch
+
+from eagle3lib import data, hidden_states
+from eagle3lib.config import ExtractConfig, PrepareConfig
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import read_json
+from eagle3lib.verifier import decoder_layers
+
+
+def test_aux_layer_defaults_and_validation():
+    assert hidden_states.resolve_aux_layers(None, 32) == [2, 16, 29]
+    assert hidden_states.resolve_aux_layers(None, 8) == [2, 4, 5]
+    with pytest.raises(UserError, match=r"config key extract.aux_layers: the default \[2, 2, 1\]"):
+        hidden_states.resolve_aux_layers(None, 4)
+    with pytest.raises(UserError, match="duplicate"):
+        hidden_states.resolve_aux_layers([1, 1, 3], 8)
+    with pytest.raises(UserError, match=r"\[8\] out of range \[0, 7\]"):
+        hidden_states.resolve_aux_layers([1, 3, 8], 8)
+    assert hidden_states.resolve_aux_layers([5, 0, 3], 8) == [5, 0, 3]
+
+
+def sample_ids(tokenizer, n, seed=0):
+    out = []
+    for record in tiny.conversations(n, seed=seed, fmt="openai"):
+        [(ids, _)] = data.tokenize_conversation(tokenizer, record["messages"])
+        out.append(ids)
+    return out
+
+
+def test_capture_equals_hf_reference_with_pre_norm_last_layer(verifier_model, tokenizer):
+    model = verifier_model
+    aux = [2, 4, 5]
+    ids = sample_ids(tokenizer, 1)[0]
+    capture = hidden_states.Capture(decoder_layers(model), aux)
+    try:
+        [states] = hidden_states.forward_states(
+            model.get_decoder(), capture, [ids], torch.device("cpu")
+        )
+    finally:
+        capture.remove()
+    with torch.no_grad():
+        ref = model(torch.as_tensor(ids)[None], output_hidden_states=True).hidden_states
+    assert states.shape == (len(ids), 4, 64)
+    for slot, k in enumerate(aux):
+        torch.testing.assert_close(states[:, slot], ref[k][0], rtol=0, atol=0)
+    last = states[:, -1]
+    # HF's last entry is after the final norm; ours is the final decoder layer's output before it.
+    torch.testing.assert_close(model.model.norm(last), ref[-1][0], rtol=1e-5, atol=1e-5)
+    assert (last - ref[-1][0]).abs().max() > 0.1
+
+
+def test_batching_does_not_change_per_sample_states(verifier_model, tokenizer):
+    model = verifier_model
+    samples = sample_ids(tokenizer, 4, seed=1)
+    assert len({len(s) for s in samples}) > 1  # padding really happens
+    capture = hidden_states.Capture(decoder_layers(model), [1, 3, 6])
+    try:
+        batched = hidden_states.forward_states(
+            model.get_decoder(), capture, samples, torch.device("cpu")
+        )
+        alone = [
+            hidden_states.forward_states(model.get_decoder(), capture, [s], torch.device("cpu"))[0]
+            for s in samples
+        ]
+    finally:
+        capture.remove()
+    for b, a, s in zip(batched, alone, samples, strict=True):
+        assert b.shape == (len(s), 4, 64)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_length_batches_respect_the_token_budget():
+    lengths = [5, 100, 30, 31, 7, 100]
+    batches = hidden_states.length_batches(lengths, 128)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= 128 or len(b) == 1
+    assert batches[0] == [1] and batches[1] == [5]  # longest first
+
+
+@pytest.fixture(scope="module")
+def extracted(tokenizer, verifier_record, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("extract")
+    path = tiny.write_jsonl(tmp / "train.jsonl", tiny.conversations(9, seed=2))
+    prepared = data.prepare_samples(tokenizer, path, PrepareConfig())
+    data.save_prepared(prepared, tmp / "samples.safetensors", verifier_record["vocab_size"])
+    samples = data.load_samples(tmp / "samples.safetensors")
+    cfg = ExtractConfig(shards=2, batch_tokens=300)
+    stats = hidden_states.extract_shard(
+        samples,
+        prepared.ids,
+        1,
+        cfg,
+        verifier_record,
+        tmp / "shard-1.safetensors",
+        tmp / "shard-1.json",
+    )
+    return tmp, samples, prepared.ids, cfg, stats
+
+
+def test_shard_holds_its_slice_with_states_equal_to_one_sample_forward(extracted, verifier_model):
+    tmp, samples, ids, _, stats = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    start, stop = data.shard_range(len(samples), 1, 2)
+    assert manifest["sample_range"] == [start, stop] == [4, 9]
+    assert manifest["sample_ids"] == ids[4:9]
+    assert manifest["layer_ids"] == [2, 4, 5, 8]
+    assert manifest["token_counts"] == [len(samples.sample(i)[0]) for i in range(4, 9)]
+    shard = hidden_states.open_shard(tmp / "shard-1.safetensors")
+    assert len(shard) == 5 and shard.valid.tolist() == [1] * 5
+    assert stats["tokens"] == manifest["tokens"] == shard.hidden_states.shape[0]
+    hidden_states.check_shard(tmp / "shard-1.safetensors", manifest)
+
+    capture = hidden_states.Capture(decoder_layers(verifier_model), [2, 4, 5])
+    try:
+        for j, i in enumerate(range(start, stop)):
+            item = shard.sample(j)
+            tokens, mask = samples.sample(i)
+            assert item["input_ids"].tolist() == tokens.tolist()
+            assert item["loss_mask"].tolist() == mask.astype(bool).tolist()
+            [ref] = hidden_states.forward_states(
+                verifier_model.get_decoder(), capture, [tokens], torch.device("cpu")
+            )
+            assert item["hidden_states"].dtype == torch.bfloat16
+            torch.testing.assert_close(
+                item["hidden_states"], ref.to(torch.bfloat16), rtol=0, atol=0
+            )
+    finally:
+        capture.remove()
+
+
+def test_shard_bytes_per_token_are_states_plus_five(extracted):
+    tmp, *_ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    per_token = manifest["file"]["bytes"] / manifest["tokens"]
+    assert 4 * 64 * 2 + 5 <= per_token <= 1.01 * 4 * 64 * 2 + 5
+
+
+def test_extraction_is_deterministic_and_input_hash_tracks_inputs(
+    extracted, verifier_record, tmp_path
+):
+    tmp, samples, ids, cfg, _ = extracted
+    hidden_states.extract_shard(
+        samples, ids, 1, cfg, verifier_record, tmp_path / "s.safetensors", tmp_path / "s.json"
+    )
+    assert (tmp_path / "s.safetensors").read_bytes() == (tmp / "shard-1.safetensors").read_bytes()
+    a = read_json(tmp / "shard-1.json")
+    b = read_json(tmp_path / "s.json")
+    assert a["file"].pop("name") == "shard-1.safetensors"
+    assert b["file"].pop("name") == "s.safetensors"
+    assert a == b
+    other = {
+        **{k: a[k] for k in ("verifier", "layer_ids", "hidden_size")},
+        "layer_ids": [1, 2, 3, 8],
+    }
+    tokens = np.zeros(3, dtype=np.int32)
+    h1 = hidden_states.input_hash(tokens, np.zeros(3, np.uint8), np.array([0, 3]), other)
+    h2 = hidden_states.input_hash(tokens + 1, np.zeros(3, np.uint8), np.array([0, 3]), other)
+    assert h1 != h2
+
+
+def test_truncated_or_corrupt_shard_is_detected(extracted, tmp_path):
+    tmp, *_ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    data_bytes = (tmp / "shard-1.safetensors").read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data_bytes[:-100])
+    with pytest.raises(UserError, match="truncated"):
+        hidden_states.check_shard(cut, manifest)
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        hidden_states.open_shard(cut)
+    flipped = bytearray(data_bytes)
+    flipped[len(flipped) // 2] ^= 0xFF
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(UserError, match="does not match the sha256"):
+        hidden_states.check_shard(bad, manifest)
+
+
+def test_manifest_mismatch_names_the_field(extracted):
+    tmp, *_ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    with pytest.raises(UserError, match="hidden_size=64"):
+        hidden_states.check_manifest(manifest, {"hidden_size": 4096}, "shard-1.json")
+
+
+def test_non_finite_states_reject_the_sample(tmp_path):
+    layout = hidden_states.ShardLayout((3, 2), 2, 4)
+    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    bad = torch.ones(2, 2, 4)
+    bad[1, 0, 2] = float("nan")
+    writer.put_states(1, bad)
+    writer.close(np.arange(5), np.ones(5, np.uint8))
+    shard = hidden_states.open_shard(tmp_path / "s.safetensors")
+    assert shard.valid.tolist() == [1, 0]
+    assert shard.sample(0)["hidden_states"].float().eq(1).all()
+    # The file is valid safetensors too.
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "s.safetensors"))
+    assert tensors["hidden_states"].shape == (5, 2, 4)
+    assert tensors["offsets"].tolist() == [0, 3, 5]
+
+
+def test_aborted_writer_leaves_no_file(tmp_path):
+    layout = hidden_states.ShardLayout((3,), 2, 4)
+    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []

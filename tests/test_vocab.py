@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+import torch
+
+from eagle3lib import vocab
+from eagle3lib.errors import UserError
+
+
+def freq_of(counts: dict[int, int], size: int) -> np.ndarray:
+    f = np.zeros(size, dtype=np.int64)
+    for t, c in counts.items():
+        f[t] = c
+    return f
+
+
+def test_top_k_by_frequency_with_id_tie_break():
+    freq = freq_of({50: 9, 7: 5, 90: 5, 3: 1, 60: 1}, 100)
+    d2t, t2d = vocab.build(freq, 4)
+    targets = (torch.arange(4) + d2t).tolist()
+    assert targets == [3, 7, 50, 90]  # 50, then 7 and 90 (tie on 5), then 3 before 60 (tie on 1)
+    assert torch.nonzero(t2d).flatten().tolist() == targets
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool
+
+
+def test_fewer_distinct_tokens_than_draft_vocab_pads_deterministically():
+    freq = freq_of({40: 3, 41: 2}, 64)
+    d2t, t2d = vocab.build(freq, 6)
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 40, 41]
+    again = vocab.build(freq, 6)
+    assert torch.equal(again[0], d2t) and torch.equal(again[1], t2d)
+    info = vocab.coverage(freq, t2d)
+    assert info["padded_with_unseen_ids"] == 4
+    assert info["token_coverage"] == 1.0
+
+
+def test_matches_speculators_own_builder():
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    rng = np.random.default_rng(0)
+    freq = rng.integers(0, 50, size=500) * (rng.random(500) < 0.6)
+    d2t, t2d = vocab.build(freq, 128)
+    counts = {int(t): int(freq[t]) for t in np.flatnonzero(freq)}
+    ref_d2t, ref_t2d = build_vocab_mappings_from_distribution(counts, 128, 500)
+    assert torch.equal(d2t, ref_d2t) and torch.equal(t2d, ref_t2d)
+
+
+def test_draft_vocab_larger_than_verifier_vocab_is_a_config_error():
+    with pytest.raises(
+        UserError, match=r"train.draft_vocab_size: 200 is larger than the verifier vocab \(100\)"
+    ):
+        vocab.build(freq_of({1: 1}, 100), 200)
+
+
+def test_invariant_checks_catch_broken_maps():
+    d2t, t2d = vocab.build(freq_of({5: 2, 9: 1}, 20), 4)
+    vocab.check(d2t, t2d, 4, 20)
+    broken = t2d.clone()
+    broken[19] = True
+    with pytest.raises(ValueError):
+        vocab.check(d2t, broken, 4, 20)
+    with pytest.raises(ValueError):
+        vocab.check(d2t.flip(0), t2d, 4, 20)
+
+
+def test_save_load_round_trip(tmp_path):
+    d2t, t2d = vocab.build(freq_of({5: 2, 9: 1}, 20), 4)
+    vocab.save(tmp_path / "v.safetensors", d2t, t2d)
+    loaded = vocab.load(tmp_path / "v.safetensors")
+    assert torch.equal(loaded["d2t"], d2t) and torch.equal(loaded["t2d"], t2d)

@@ -1,0 +1,135 @@
+"""Whole-workflow runs of the real Snakefile on the tiny verifier, and what reruns when.
+
+The tests of this module run in order on one working directory: each starts from the state
+the previous one left.
+"""
+
+import json
+
+import pytest
+import tiny
+from conftest import executed_jobs, job_counts, run_snakemake
+
+pytestmark = pytest.mark.slow
+
+EXTRACT_RULES = {"verifier", "prepare", "extract"}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, verifier_dir):
+    root = tmp_path_factory.mktemp("workflow")
+    train = tiny.write_jsonl(root / "train.jsonl", tiny.conversations(30, seed=7))
+    prompts = [
+        {"question_id": i, "turns": [t, "and then?"]}
+        for i, t in enumerate(["Tell me about the model", "Write three numbers", "Why is it fast"])
+    ]
+    evals = tiny.write_jsonl(root / "eval.jsonl", prompts)
+
+    class Workspace:
+        dir = root
+        results = root / "results" / "t"
+        config = root / "config.yaml"
+        overrides: dict = {}
+
+        def write(self, **overrides):
+            for key, value in overrides.items():
+                self.overrides[key] = (
+                    {**self.overrides.get(key, {}), **value} if isinstance(value, dict) else value
+                )
+            verifier = self.overrides.get("verifier_dir", verifier_dir)
+            sections = {k: v for k, v in self.overrides.items() if k != "verifier_dir"}
+            tiny.write_config(self.config, "t", verifier, train, evals, **sections)
+
+        def run(self, *args, check=True):
+            proc = run_snakemake(self.dir, self.config, *args, check=check)
+            return proc.stdout + proc.stderr
+
+    ws = Workspace()
+    ws.write()
+    return ws
+
+
+def test_first_run_builds_checkpoint_and_report(ws):
+    out = ws.run()
+    counts = job_counts(out)
+    assert counts["extract"] == 2 and counts["train"] == 1 and counts["evaluate"] == 1
+    ckpt = ws.results / "checkpoint"
+    assert (ckpt / "model.safetensors").stat().st_size > 0
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama"
+    summary = json.loads((ws.results / "reports" / "summary.json").read_text())
+    assert summary["k"] == 3 and len(summary["per_position_acceptance"]) == 3
+    assert 1.0 <= summary["acceptance_length"] <= 4.0
+    assert summary["checkpoint_valid"] is True and summary["text_matches_verifier"] is True
+    assert set(summary["gpu_memory"]) == {"extract-0", "extract-1", "train", "evaluate"}
+    for entry in summary["gpu_memory"].values():
+        assert entry["available"] is False and entry["reason"].startswith("no NVIDIA device")
+    assert summary["data"]["samples"] == 30 and summary["hidden_states"]["shards"] == 2
+    assert summary["valid"] is True and summary["problems"] == []
+    assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
+    for png in ("acceptance.png", "loss.png"):
+        assert (ws.results / "reports" / png).read_bytes()[:4] == b"\x89PNG"
+    for rule in (
+        "verifier",
+        "prepare",
+        "extract-0",
+        "extract-1",
+        "vocab",
+        "train",
+        "evaluate",
+        "report",
+    ):
+        assert (ws.results / "logs" / f"{rule}.log").exists()
+    assert not list(ws.results.rglob(".*.tmp-*"))
+
+
+def test_second_run_does_nothing(ws):
+    out = ws.run()
+    assert "Nothing to be done" in out
+    assert job_counts(out) == {}
+
+
+def test_changing_a_training_hyperparameter_retrains_without_extracting(ws):
+    before = {p.name: p.stat().st_mtime_ns for p in (ws.results / "hidden_states").iterdir()}
+    ws.write(train={"lr": 0.002})
+    out = ws.run()
+    counts = job_counts(out)
+    assert counts.get("train") == 1 and counts.get("evaluate") == 1 and counts.get("report") == 1
+    assert not EXTRACT_RULES & set(counts), counts
+    assert "vocab" not in counts
+    after = {p.name: p.stat().st_mtime_ns for p in (ws.results / "hidden_states").iterdir()}
+    assert after == before
+
+
+def test_deleting_one_shard_rebuilds_that_shard_only(ws):
+    shard1 = ws.results / "hidden_states" / "shard-1.safetensors"
+    old_bytes = shard1.read_bytes()
+    shard0_mtime = (ws.results / "hidden_states" / "shard-0.safetensors").stat().st_mtime_ns
+    shard1.unlink()
+    out = ws.run()
+    extracts = [j for j in executed_jobs(out) if j.startswith("extract")]
+    assert extracts == ["extract[shard=1]"], executed_jobs(out)
+    assert shard1.read_bytes() == old_bytes  # deterministic on CPU
+    assert (ws.results / "hidden_states" / "shard-0.safetensors").stat().st_mtime_ns == shard0_mtime
+
+
+def test_changing_the_shard_count_reextracts(ws):
+    ws.write(extract={"shards": 3})
+    out = ws.run()
+    counts = job_counts(out)
+    assert counts.get("extract") == 3 and "prepare" not in counts and "verifier" not in counts
+    manifests = sorted((ws.results / "hidden_states").glob("shard-*.json"))
+    assert [json.loads(m.read_text())["shards"] for m in manifests] == [3, 3, 3]
+
+
+def test_changing_the_verifier_reextracts(ws, tmp_path_factory):
+    other = tiny.build_verifier(tmp_path_factory.mktemp("other") / "tiny-llama-2", seed=1)
+    ws.write(verifier_dir=other)
+    out = ws.run("--dry-run")
+    counts = job_counts(out)
+    assert counts.get("verifier") == 1 and counts.get("prepare") == 1 and counts.get("extract") == 3
+    out = ws.run()
+    manifest = json.loads((ws.results / "hidden_states" / "shard-0.json").read_text())
+    record = json.loads((ws.results / "verifier" / "verifier.json").read_text())
+    assert record["path"] == str(other)
+    assert manifest["verifier"]["weights_sha256"] == record["weights"]["sha256"]
