@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 CORES ?= all
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
+# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for torch's CPU build on a machine
+# without a GPU (PyPI's torch wheel for Linux is the CUDA build).
+TORCH_INDEX ?=
+PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
 # Jobs find python and snakemake in the venv; the model hub is never contacted.
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -19,14 +23,14 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements/lock.txt
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/no-deps.txt
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/lock.txt
+	$(PIP) --no-deps -r requirements/no-deps.txt
+	$(PIP) --no-deps --no-build-isolation -e .
 	$(BIN)/python -c "import transformers, speculators.models.eagle3, snakemake"
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml $(SNAKEMAKE_ARGS)
+	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs $(SNAKEMAKE_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -45,7 +49,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 dag: $(STAMP)
-	$(BIN)/snakemake --rulegraph | dot -Tsvg > docs/rulegraph.svg
+	$(BIN)/snakemake --rulegraph mermaid-js
 
 clean:
 	rm -rf results .snakemake

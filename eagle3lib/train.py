@@ -18,12 +18,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, sha256_json, write_json
 from eagle3lib.hidden_states import Shard, check_manifest, check_shard, open_shard
+from eagle3lib.verifier import identity
 
 STATE_CONFIG = "eagle3lib_train_config.json"
 
@@ -285,13 +285,12 @@ def train(
     manifests = [read_json(p) for p in manifest_paths]
     layer_ids = manifests[0]["layer_ids"]
     aux = layer_ids[:-1]
+    # Every shard must come from this verifier, with the same layers and hidden size.
     expect = {
-        "verifier": manifests[0]["verifier"],
+        "verifier": identity(record),
         "layer_ids": layer_ids,
         "hidden_size": record["hidden_size"],
     }
-    if manifests[0]["hidden_size"] != record["hidden_size"]:
-        check_manifest(manifests[0], {"hidden_size": record["hidden_size"]}, str(manifest_paths[0]))
     k = int(vocab_map["d2t"].numel())
     if k != cfg.draft_vocab_size:
         raise UserError(
@@ -399,6 +398,3 @@ def loss_curves(metrics: list[dict[str, Any]]) -> dict[str, list]:
             val.append({"epoch": m.get("epoch"), **m["val"]})
     return {"step": steps, "train_loss": losses, "val": val}
 
-
-def np_int(a) -> int:
-    return int(np.asarray(a).item())
