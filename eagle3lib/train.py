@@ -397,4 +397,3 @@ def loss_curves(metrics: list[dict[str, Any]]) -> dict[str, list]:
         if "val" in m:
             val.append({"epoch": m.get("epoch"), **m["val"]})
     return {"step": steps, "train_loss": losses, "val": val}
-

@@ -84,7 +84,12 @@ def rule_edges(mermaid: str) -> set[tuple[str, str]]:
 
 
 def test_readme_shows_the_current_rulegraph():
-    proc = subprocess.run([str(BIN / "snakemake"), "--rulegraph", "mermaid-js"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "--rulegraph", "mermaid-js"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     readme = (ROOT / "README.md").read_text()
     block = readme.split("```mermaid\n", 1)[1].split("```", 1)[0]
