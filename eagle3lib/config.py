@@ -99,6 +99,9 @@ class TrainConfig:
     full_attention_layers: list[int] = dataclasses.field(default_factory=list)
     val_fraction: float = 0.1
     seed: int = 42
+    max_steps: int | None = None
+    log_every: int = 10
+    loader_workers: int = 0
     attention: str = "auto"
     loss: str = "auto"
     gpus: int = 0

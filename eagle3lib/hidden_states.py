@@ -94,7 +94,9 @@ class Capture:
 
     def stacked(self) -> torch.Tensor:
         """[batch, seq, len(aux)+1, hidden]; the stored references are dropped."""
-        out = torch.stack([self.states[k] for k in self.aux] + [self.states["last"]], dim=2)
+        parts = [self.states[k] for k in self.aux] + [self.states["last"]]
+        device = parts[0].device  # layers may sit on several GPUs (device_map)
+        out = torch.stack([p.to(device, non_blocking=True) for p in parts], dim=2)
         self.states.clear()
         return out
 
@@ -120,10 +122,10 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 
 
 @torch.inference_mode()
-def forward_states(
+def forward_batch(
     decoder, capture: Capture, samples: Sequence[np.ndarray], device: torch.device
-) -> list[torch.Tensor]:
-    """Per-sample [len, len(aux)+1, hidden] states of one right-padded batch."""
+) -> tuple[torch.Tensor, list[int]]:
+    """Right-padded [B, T, len(aux)+1, hidden] states of one batch, and the true lengths."""
     lengths = [len(s) for s in samples]
     width = max(lengths)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
@@ -131,8 +133,21 @@ def forward_states(
     for b, s in enumerate(samples):
         ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[b, : len(s)] = 1
-    decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    states = capture.stacked()
+    ids = ids.pin_memory() if device.type == "cuda" else ids
+    mask = mask.pin_memory() if device.type == "cuda" else mask
+    decoder(
+        input_ids=ids.to(device, non_blocking=True),
+        attention_mask=mask.to(device, non_blocking=True),
+        use_cache=False,
+    )
+    return capture.stacked(), lengths
+
+
+def forward_states(
+    decoder, capture: Capture, samples: Sequence[np.ndarray], device: torch.device
+) -> list[torch.Tensor]:
+    """Per-sample [len, len(aux)+1, hidden] states of one right-padded batch."""
+    states, lengths = forward_batch(decoder, capture, samples, device)
     return [states[b, :n] for b, n in enumerate(lengths)]
 
 
@@ -178,15 +193,31 @@ class ShardLayout:
 
 
 class ShardWriter:
-    """Writes one shard in place: states land at their final offsets from a background thread."""
+    """Writes one shard in place: states land at their final offsets from a background thread.
+
+    ``put_batch`` never waits for the disk or, on a GPU, for the device: states are cast to
+    bf16 and checked for non-finite values on the device, copied into a pinned host buffer on a
+    side stream, and the writer thread waits for that copy before writing. A bounded pool of
+    staging buffers gives back-pressure when the disk is the bottleneck. The writer syncs every
+    ``sync_every`` bytes so dirty pages never pile up behind the final fsync.
+    """
 
     def __init__(
-        self, path: Path, layout: ShardLayout, metadata: dict[str, str], queue_size: int = 4
+        self,
+        path: Path,
+        layout: ShardLayout,
+        metadata: dict[str, str],
+        *,
+        device: torch.device | None = None,
+        max_batch_rows: int = 0,
+        buffers: int = 3,
+        sync_every: int = 1 << 30,
     ):
         self.path = path
         self.layout = layout
         self.offsets = np.concatenate([[0], np.cumsum(layout.lengths)]).astype(np.int64)
         self.valid = np.ones(len(layout.lengths), dtype=np.uint8)
+        self.sync_every = sync_every
         self._atomic = atomic_path(path)
         self.tmp = self._atomic.__enter__()
         header = layout.header(metadata)
@@ -194,39 +225,91 @@ class ShardWriter:
         self.fd = os.open(self.tmp, os.O_WRONLY)
         os.ftruncate(self.fd, self.data_start + layout.data_bytes())
         os.pwrite(self.fd, header, 0)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.cuda = device is not None and device.type == "cuda"
+        self._free: queue.Queue = queue.Queue()
+        if self.cuda:
+            self._stream = torch.cuda.Stream(device)
+            rows = max(max_batch_rows, max(layout.lengths, default=1))
+            for _ in range(buffers):
+                self._free.put(
+                    torch.empty(rows * layout.row_bytes // 2, dtype=STATE_DTYPE, pin_memory=True)
+                )
+        self._queue: queue.Queue = queue.Queue(maxsize=buffers)
         self._error: BaseException | None = None
         self.bytes_written = 0
         self.write_seconds = 0.0
+        self._unsynced = 0
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
+            event, host, bad, samples, lengths, pinned = item
             try:
-                pos, payload = item
+                if self._error is not None:
+                    continue
+                if event is not None:
+                    event.synchronize()
+                flags = bad.tolist()
                 t0 = time.perf_counter()
-                os.pwrite(self.fd, payload, self.data_start + pos)
+                for b, (sample, n) in enumerate(zip(samples, lengths, strict=True)):
+                    if flags[b]:
+                        self.valid[sample] = 0
+                        continue
+                    rows = host[b, :n].view(torch.uint8).numpy()
+                    os.pwrite(
+                        self.fd,
+                        rows,
+                        self.data_start + int(self.offsets[sample]) * self.layout.row_bytes,
+                    )
+                    self.bytes_written += rows.nbytes
+                    self._unsynced += rows.nbytes
+                if self._unsynced >= self.sync_every:
+                    os.fdatasync(self.fd)
+                    self._unsynced = 0
                 self.write_seconds += time.perf_counter() - t0
-                self.bytes_written += len(payload)
-            except BaseException as exc:  # surfaced in put()/close()
+            except BaseException as exc:  # surfaced in put_batch()/close()
                 self._error = exc
+            finally:
+                if pinned is not None:
+                    self._free.put(pinned)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def put_states(self, sample: int, states: torch.Tensor) -> None:
-        """Queue one sample's [len, layers, hidden] states (any device, any float dtype)."""
+    def put_batch(
+        self, samples: Sequence[int], states: torch.Tensor, lengths: Sequence[int]
+    ) -> None:
+        """Queue a right-padded batch [B, T, layers, hidden] (any device, any float dtype)."""
         self._raise_pending()
-        if not bool(torch.isfinite(states).all()):
-            self.valid[sample] = 0
+        states = states.to(STATE_DTYPE)
+        real = (
+            torch.arange(states.shape[1], device=states.device)[None, :]
+            < torch.as_tensor(list(lengths), device=states.device)[:, None]
+        )
+        bad = ((~torch.isfinite(states).flatten(2).all(-1)) & real).any(-1)  # [B]
+        if not self.cuda:
+            item = (None, states.contiguous(), bad, list(samples), list(lengths), None)
+            self._queue.put(item)
             return
-        host = states.to(device="cpu", dtype=STATE_DTYPE).contiguous()
-        payload = host.view(torch.uint8).numpy().tobytes()
-        self._queue.put((int(self.offsets[sample]) * self.layout.row_bytes, payload))
+        pinned = self._free.get()  # waits while the disk is behind
+        host = pinned[: states.numel()].view(states.shape)
+        bad_host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+        compute = torch.cuda.current_stream(states.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            host.copy_(states, non_blocking=True)
+            bad_host.copy_(bad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        states.record_stream(self._stream)
+        bad.record_stream(self._stream)
+        self._queue.put((event, host, bad_host, list(samples), list(lengths), pinned))
+
+    def put_states(self, sample: int, states: torch.Tensor) -> None:
+        """Queue one sample's [len, layers, hidden] states."""
+        self.put_batch([sample], states[None], [states.shape[0]])
 
     def close(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
         """Write the token tensors and the valid flags, sync and rename into place."""
@@ -403,6 +486,88 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def input_device(model) -> torch.device:
+    """Where the input ids go: the embedding's device (models spread with device_map too)."""
+    return model.get_input_embeddings().weight.device
+
+
+def extract_samples(
+    model,
+    samples: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    aux: Sequence[int],
+    cfg,
+    shard_path: Path,
+    metadata: dict[str, str],
+) -> dict[str, Any]:
+    """Forward ``samples`` through ``model`` in length-sorted batches and write one shard."""
+    from eagle3lib.verifier import decoder_layers, text_config
+
+    device = input_device(model)
+    lengths = tuple(len(s) for s in samples)
+    layout = ShardLayout(lengths, len(aux) + 1, text_config(model.config).hidden_size)
+    batches = length_batches(lengths, cfg.batch_tokens)
+    padded = sum(len(b) * lengths[b[0]] for b in batches) - layout.tokens
+    decoder = model.get_decoder()
+    capture = Capture(decoder_layers(model), aux)
+    writer = ShardWriter(
+        shard_path,
+        layout,
+        metadata,
+        device=device,
+        max_batch_rows=max(len(b) * lengths[b[0]] for b in batches),
+    )
+    t0 = time.perf_counter()
+    try:
+        work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
+        for batch in iter_progress(work, layout.tokens):
+            states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
+            writer.put_batch(batch, states, [lengths[i] for i in batch])
+        writer.close(np.concatenate(samples), np.concatenate(masks))
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        capture.remove()
+    seconds = time.perf_counter() - t0
+    return {
+        "tokens": layout.tokens,
+        "padded_tokens": padded,
+        "seconds": seconds,
+        "tokens_per_s": layout.tokens / seconds if seconds else 0.0,
+        "write_seconds": writer.write_seconds,
+        "valid": writer.valid,
+    }
+
+
+def check_against_single_forward(
+    model, aux: Sequence[int], samples: Sequence[np.ndarray]
+) -> dict[str, float]:
+    """Batched capture vs a one-sample HF forward (``output_hidden_states``): the largest
+    absolute difference and the relative L2 error over all aux slots of all samples."""
+    from eagle3lib.verifier import decoder_layers
+
+    device = input_device(model)
+    capture = Capture(decoder_layers(model), aux)
+    try:
+        batched = forward_states(model.get_decoder(), capture, list(samples), device)
+    finally:
+        capture.remove()
+    worst, err, norm = 0.0, 0.0, 0.0
+    with torch.inference_mode():
+        for s, states in zip(samples, batched, strict=True):
+            ref = model(
+                torch.as_tensor(s)[None].to(device), output_hidden_states=True
+            ).hidden_states
+            for slot, k in enumerate(aux):
+                a = states[:, slot].double()
+                b = ref[k][0].to(states.device).double()
+                worst = max(worst, float((a - b).abs().max()))
+                err += float(((a - b) ** 2).sum())
+                norm += float((b**2).sum())
+    return {"max_abs": worst, "rel_l2": (err / norm) ** 0.5 if norm else 0.0}
+
+
 def extract_shard(
     samples,
     sample_ids: Sequence[str],
@@ -414,7 +579,8 @@ def extract_shard(
 ) -> dict[str, Any]:
     """Run the verifier over shard ``shard``'s samples and write the shard and its manifest."""
     from eagle3lib.data import shard_range
-    from eagle3lib.verifier import decoder_layers, identity, load_model, text_config
+    from eagle3lib.fileio import write_json
+    from eagle3lib.verifier import identity, load_model
 
     start, stop = shard_range(len(samples), shard, cfg.shards)
     if stop <= start:
@@ -422,16 +588,16 @@ def extract_shard(
             f"config key extract.shards: {cfg.shards} shards for {len(samples)} samples leaves "
             f"shard {shard} empty; use at most {len(samples)} shards"
         )
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(cfg.dtype, device)
+    cuda = torch.cuda.is_available()
+    dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu"))
     num_layers = record["num_hidden_layers"]
     aux = resolve_aux_layers(cfg.aux_layers, num_layers)
     layer_ids = [*aux, num_layers]
 
     tokens = [samples.sample(i) for i in range(start, stop)]
-    lengths = tuple(len(t[0]) for t in tokens)
-    input_ids = np.concatenate([t[0] for t in tokens])
-    loss_mask = np.concatenate([t[1] for t in tokens])
+    ids = [t[0] for t in tokens]
+    masks = [t[1] for t in tokens]
+    lengths = [len(t) for t in ids]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     spec = {
         "verifier": identity(record),
@@ -440,34 +606,17 @@ def extract_shard(
         "compute_dtype": str(dtype).removeprefix("torch."),
         "state_dtype": "bfloat16",
     }
-    digest = input_hash(input_ids, loss_mask, offsets, spec)
+    digest = input_hash(np.concatenate(ids), np.concatenate(masks), offsets, spec)
 
-    model = load_model(
-        record, dtype, device_map={"": device.index or 0} if device.type == "cuda" else None
+    # gpus_per_job > 1 spreads the layers over the leased GPUs (a verifier bigger than one).
+    device_map = ("auto" if cfg.gpus_per_job > 1 else {"": 0}) if cuda else None
+    model = load_model(record, dtype, device_map=device_map)
+    stats = extract_samples(
+        model, ids, masks, aux, cfg, shard_path, {"format": SHARD_FORMAT, "input_hash": digest}
     )
-    decoder = model.get_decoder()
-    capture = Capture(decoder_layers(model), aux)
-    layout = ShardLayout(lengths, len(layer_ids), text_config(model.config).hidden_size)
-    writer = ShardWriter(shard_path, layout, {"format": SHARD_FORMAT, "input_hash": digest})
-    batches = length_batches(lengths, cfg.batch_tokens)
-    t0 = time.perf_counter()
-    try:
-        work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
-        for batch in iter_progress(work, layout.tokens):
-            states = forward_states(decoder, capture, [tokens[i][0] for i in batch], device)
-            for i, s in zip(batch, states, strict=True):
-                writer.put_states(i, s)
-        writer.close(input_ids, loss_mask)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        capture.remove()
-    seconds = time.perf_counter() - t0
-
     rejected = [
         {"id": sample_ids[start + i], "reason": "non-finite hidden states"}
-        for i in np.flatnonzero(writer.valid == 0).tolist()
+        for i in np.flatnonzero(stats.pop("valid") == 0).tolist()
     ]
     manifest = {
         "format": SHARD_FORMAT,
@@ -475,8 +624,8 @@ def extract_shard(
         "shards": cfg.shards,
         "sample_range": [start, stop],
         "sample_ids": list(sample_ids[start:stop]),
-        "token_counts": list(lengths),
-        "tokens": layout.tokens,
+        "token_counts": lengths,
+        "tokens": stats["tokens"],
         "rejected": rejected,
         "input_hash": digest,
         **spec,
@@ -486,15 +635,9 @@ def extract_shard(
             "sha256": sha256_file(shard_path),
         },
     }
-    from eagle3lib.fileio import write_json
-
     write_json(manifest_path, manifest)
-    return {
-        "tokens": layout.tokens,
-        "seconds": seconds,
-        "tokens_per_s": layout.tokens / seconds if seconds else 0.0,
-        "write_gb_per_s": writer.bytes_written / writer.write_seconds / 1e9
-        if writer.write_seconds
-        else None,
-        "rejected": len(rejected),
-    }
+    stats["rejected"] = len(rejected)
+    stats["write_gb_per_s"] = (
+        manifest["file"]["bytes"] / stats["write_seconds"] / 1e9 if stats["write_seconds"] else None
+    )
+    return stats

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from speculators.train.data import BaseDataset
+from speculators.train.trainer import Trainer
 
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, sha256_json, write_json
@@ -31,6 +33,10 @@ STATE_CONFIG = "eagle3lib_train_config.json"
 # ---- data ------------------------------------------------------------------------------------
 
 
+# Shards whose sha256 this process already checked, keyed by (path, size, mtime, sha256).
+_VERIFIED: set[tuple] = set()
+
+
 def open_verified_shards(
     shard_paths: Sequence[Path], manifest_paths: Sequence[Path], expect: dict[str, Any]
 ) -> list[Shard]:
@@ -39,8 +45,17 @@ def open_verified_shards(
     for shard_path, manifest_path in zip(shard_paths, manifest_paths, strict=True):
         manifest = read_json(manifest_path)
         check_manifest(manifest, expect, str(manifest_path))
-        check_shard(Path(shard_path), manifest)
-        shards.append(open_shard(Path(shard_path)))
+        path = Path(shard_path)
+        stat = path.stat() if path.exists() else None
+        key = (
+            str(path.resolve()),
+            stat and stat.st_size,
+            stat and stat.st_mtime_ns,
+            manifest["file"]["sha256"],
+        )
+        check_shard(path, manifest, full_hash=key not in _VERIFIED)
+        _VERIFIED.add(key)
+        shards.append(open_shard(path))
     return shards
 
 
@@ -58,13 +73,7 @@ def split_indices(
     return pairs[:-n_val], pairs[-n_val:]
 
 
-def _base_dataset():
-    from speculators.train.data import BaseDataset
-
-    return BaseDataset
-
-
-class ShardDataset(_base_dataset()):
+class ShardDataset(BaseDataset):
     """speculators' dataset contract (hidden_states [T, aux*H], verifier_last_hidden_states,
     input_ids, loss_mask) served from shard files, one mmap per shard and no per-sample opens."""
 
@@ -105,8 +114,14 @@ class ShardDataset(_base_dataset()):
         }
 
 
-def make_loader(dataset, total_seq_len: int, hidden_size: int, n_aux: int, seed: int):
-    """The DataLoader speculators' CLI builds: multipack sampler, CollateFn with shift_batch."""
+def make_loader(
+    dataset, total_seq_len: int, hidden_size: int, n_aux: int, seed: int, workers: int = 0
+):
+    """The DataLoader speculators' CLI builds: multipack sampler, CollateFn with shift_batch.
+
+    With ``workers`` > 0 it uses speculators' loader settings (spawned workers, prefetch 4,
+    pinned memory); with 0 the StreamingTrainer reads and collates in a background thread.
+    """
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from speculators.train.distributed import get_dp_rank, get_dp_size
@@ -120,18 +135,30 @@ def make_loader(dataset, total_seq_len: int, hidden_size: int, n_aux: int, seed:
         rank=get_dp_rank(),
         seed=seed,
     )
+    collate = CollateFn(
+        total_seq_len,
+        hidden_size,
+        num_target_layers=n_aux,
+        dtype=dataset.hidden_states_dtype,
+        preprocess=shift_batch,
+    )
+    extra = {}
+    if workers:
+        from speculators.train.dataloader import _worker_init_fn
+
+        extra = dict(
+            prefetch_factor=4,
+            persistent_workers=True,
+            multiprocessing_context="spawn",
+            worker_init_fn=_worker_init_fn,
+        )
     return DataLoader(
         dataset,
         batch_sampler=sampler,
-        num_workers=0,
+        num_workers=workers,
         pin_memory=torch.cuda.is_available(),
-        collate_fn=CollateFn(
-            total_seq_len,
-            hidden_size,
-            num_target_layers=n_aux,
-            dtype=dataset.hidden_states_dtype,
-            preprocess=shift_batch,
-        ),
+        collate_fn=collate,
+        **extra,
     )
 
 
@@ -188,6 +215,173 @@ class MetricsRecorder(logging.Handler):
     def close(self) -> None:
         self._fh.close()
         super().close()
+
+
+class StreamingTrainer(Trainer):
+    """speculators' Trainer with a step loop that never makes the host wait for the GPU.
+
+    speculators' own loop synchronises every step (it builds metric tensors from Python
+    numbers, a blocking copy) and copies each batch to the device just before using it, so the
+    GPU idles while the host prepares the next step. Here the next batch is copied on a side
+    stream while the current step runs, and metrics leave the device only on logging steps.
+    Forward (autocast), loss, backward, gradient clipping, optimiser, scheduler, mid-epoch
+    checkpoints, resume skipping and max_steps are speculators' own, unchanged.
+    """
+
+    data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
+
+    def _prefetched(self, loader, depth: int = 4):
+        """Iterate ``loader`` in a background thread (reading and collating overlap the step)."""
+        import queue
+        import threading
+
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        done = object()
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for batch in loader:
+                    if stop.is_set():
+                        return
+                    q.put(batch)
+            except BaseException as exc:  # re-raised in the training thread
+                q.put(exc)
+            q.put(done)
+
+        thread = threading.Thread(target=produce, name="batch-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = q.get()
+                self.data_wait_seconds += time.perf_counter() - t0
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock the producer
+                with contextlib.suppress(queue.Empty):
+                    q.get_nowait()
+                thread.join(timeout=0.05)
+
+    def _device_batches(self, loader):
+        """Yield (host batch, device batch); on CUDA batch k+1 is copied while k computes."""
+        device = self.local_rank
+        batches = self._prefetched(loader)
+        if not torch.cuda.is_available():
+            for batch in batches:
+                yield batch, batch
+            return
+        stream = torch.cuda.Stream()
+
+        def move(batch):
+            with torch.cuda.stream(stream):
+                return {
+                    k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()
+                }
+
+        def ready(moved):
+            torch.cuda.current_stream().wait_stream(stream)
+            for v in moved.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(torch.cuda.current_stream())
+            return moved
+
+        it = iter(batches)
+        try:
+            pending = next(it)
+        except StopIteration:
+            return
+        moved = move(pending)
+        for batch in it:
+            current, current_moved = pending, ready(moved)
+            pending, moved = batch, move(batch)
+            yield current, current_moved
+        yield pending, ready(moved)
+
+    def train_epoch(self, epoch, *, step_callback=None):  # noqa: C901 - mirrors speculators'
+        from speculators.train import trainer as st
+        from speculators.train.utils import normalize_counted_metrics
+
+        if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
+            return  # speculators would run one more step in every later epoch
+
+        self.model.train()
+        if hasattr(self.train_loader.batch_sampler, "set_epoch"):
+            self.train_loader.batch_sampler.set_epoch(epoch)
+        num_steps = len(self.train_loader)
+        skip_steps = self._prepare_resume_skip(epoch)
+        loader = self.train_loader
+        if self.rank == 0:
+            loader = st.tqdm(loader, desc=f"Epoch {epoch}")
+        step_interval = (
+            max(1, round(num_steps * self.config.checkpoint_freq))
+            if self.config.checkpoint_freq < 1
+            else None
+        )
+        interval_tokens, interval_start = 0, time.perf_counter()
+        interval_wait = self.data_wait_seconds
+        for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
+            local_step = local_step_rel + skip_steps
+            interval_tokens += int((batch["document_ids"] != -1).sum())
+            with torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype):
+                _draft_tokens, loss, metrics = self.model(
+                    **gpu_batch, **(self.config.train_call_kwargs or {})
+                )
+            self._optimizers_zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self._optimizers_step()
+            current_lrs = {type(o).__name__: o.param_groups[0]["lr"] for o in self.optimizers}
+            self._schedulers_step()
+
+            if self.global_step % self.config.log_freq == 0:  # the only host sync
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                metrics["error_records_sum"] = torch.tensor(float(batch["error_records"]))
+                metrics["error_records_total"] = torch.tensor(1.0 if self.rank == 0 else 0.0)
+                if self.is_distributed:
+                    metrics = st._all_reduce_metrics(  # noqa: SLF001
+                        {k: v.to(loss.device) for k, v in metrics.items()}
+                    )
+                values = {k: v.item() for k, v in metrics.items()}
+                world = st.dist.get_world_size() if self.is_distributed else 1
+                values = normalize_counted_metrics(values, world)
+                lrs = current_lrs if len(current_lrs) > 1 else next(iter(current_lrs.values()))
+                st.metric_logger.info(
+                    {
+                        "train": values,
+                        "profile": {
+                            "tokens_per_s": interval_tokens / max(now - interval_start, 1e-9),
+                            "data_wait_fraction": (self.data_wait_seconds - interval_wait)
+                            / max(now - interval_start, 1e-9),
+                        },
+                        "epoch": epoch,
+                        "lr": lrs,
+                        "global_step": self.global_step,
+                    },
+                    extra={"step": self.global_step},
+                )
+                interval_tokens, interval_start = 0, now
+                interval_wait = self.data_wait_seconds
+            self.global_step += 1
+            if step_callback is not None:
+                step_callback()
+            if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
+                break
+            if (
+                step_interval is not None
+                and not self.config.save_best
+                and local_step % step_interval == 0
+                and num_steps - local_step >= step_interval * st.MIN_STEP_PCT
+            ):
+                self.maybe_save_checkpoint(epoch, local_step=local_step)
 
 
 # ---- model and trainer -----------------------------------------------------------------------
@@ -276,11 +470,15 @@ def train(
     vocab_map: dict[str, torch.Tensor],
     state_dir: Path,
     metrics_path: Path,
+    trainer_class: type[Trainer] | None = None,
 ) -> dict[str, Any]:
-    """Train; return the epoch directory of the final checkpoint and run statistics."""
+    """Train; return the epoch directory of the final checkpoint and run statistics.
+
+    ``trainer_class`` defaults to StreamingTrainer; speculators' own Trainer also works.
+    """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import set_seed
-    from speculators.train.trainer import Trainer, TrainerConfig
+    from speculators.train.trainer import TrainerConfig
 
     manifests = [read_json(p) for p in manifest_paths]
     layer_ids = manifests[0]["layer_ids"]
@@ -345,7 +543,8 @@ def train(
         scheduler_type=cfg.scheduler,
         scheduler_warmup_ratio=cfg.warmup_ratio,
         hidden_states_dtype=dtype,
-        log_freq=1,
+        log_freq=cfg.log_every,
+        max_steps=cfg.max_steps,
     )
     recorder = MetricsRecorder(metrics_path)
     metric_logger = logging.getLogger("speculators.metrics")
@@ -354,7 +553,8 @@ def train(
     t0 = time.perf_counter()
     try:
         with cpu_trainer_patches():
-            trainer = Trainer(model, trainer_config, train_loader, val_loader)
+            trainer_cls = trainer_class or StreamingTrainer
+            trainer = trainer_cls(model, trainer_config, train_loader, val_loader)
             if torch.accelerator.current_accelerator() is None:
                 trainer.device_type = "cpu"
             trainer.run_training()
@@ -362,9 +562,9 @@ def train(
         metric_logger.removeHandler(recorder)
         recorder.close()
     seconds = time.perf_counter() - t0
-    final = state_dir / str(cfg.epochs - 1)
-    if not (final / "model.safetensors").exists():
-        raise UserError(f"training finished without a checkpoint in {final}")
+    final = last_epoch_dir(state_dir)
+    if final is None:
+        raise UserError(f"training finished without a checkpoint in {state_dir}")
     train_tokens = sum(int(shards[s].offsets[i + 1] - shards[s].offsets[i]) for s, i in train_pairs)
     return {
         "final_epoch_dir": str(final),
@@ -378,7 +578,23 @@ def train(
         "loss_implementation": runtime["loss"],
         "dtype": str(dtype).removeprefix("torch."),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
+        if seconds
+        else None,
     }
+
+
+def last_epoch_dir(state_dir: Path) -> Path | None:
+    """speculators' newest epoch checkpoint folder (``<state>/<epoch>/model.safetensors``)."""
+    epochs = [
+        int(d.name)
+        for d in state_dir.iterdir()
+        if d.is_dir()
+        and not d.is_symlink()
+        and d.name.isdigit()
+        and (d / "model.safetensors").exists()
+    ]
+    return state_dir / str(max(epochs)) if epochs else None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

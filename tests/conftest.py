@@ -122,7 +122,13 @@ def pipeline(tokenizer, verifier_record, tmp_path_factory):
         )
     d2t, t2d = vocab.build(samples.token_freq, 256)
     train_cfg = TrainConfig(
-        epochs=2, total_seq_len=256, draft_vocab_size=256, optimizer="adamw", lr=3e-3, seed=0
+        epochs=2,
+        total_seq_len=256,
+        draft_vocab_size=256,
+        optimizer="adamw",
+        lr=3e-3,
+        seed=0,
+        log_every=1,
     )
     stats = train.train(
         train_cfg,

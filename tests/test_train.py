@@ -91,3 +91,48 @@ def test_flex_attention_on_cpu_is_refused():
 
     with pytest.raises(UserError, match="flex attention has no backward pass on CPU"):
         train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))
+
+
+def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp_path):
+    """Same data, seed and steps: the loss of every step equals speculators' own loop."""
+    from dataclasses import replace
+
+    from speculators.train.trainer import Trainer
+
+    cfg = replace(pipeline["train_cfg"], epochs=1)
+    curves = {}
+    for name, cls in (("speculators", Trainer), ("streaming", train.StreamingTrainer)):
+        state = tmp_path / name
+        train.train(
+            cfg,
+            pipeline["record"],
+            pipeline["shards"],
+            pipeline["manifests"],
+            pipeline["vocab_map"],
+            state,
+            state / "m.jsonl",
+            trainer_class=cls,
+        )
+        curves[name] = train.loss_curves(train.read_metrics(state / "m.jsonl"))
+    assert len(curves["streaming"]["train_loss"]) >= 3
+    assert curves["streaming"]["train_loss"] == curves["speculators"]["train_loss"]
+    assert curves["streaming"]["val"] == curves["speculators"]["val"]
+
+
+def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
+    from dataclasses import replace
+
+    cfg = replace(pipeline["train_cfg"], epochs=2, max_steps=2)
+    state = tmp_path / "s"
+    stats = train.train(
+        cfg,
+        pipeline["record"],
+        pipeline["shards"],
+        pipeline["manifests"],
+        pipeline["vocab_map"],
+        state,
+        state / "m.jsonl",
+    )
+    curves = train.loss_curves(train.read_metrics(state / "m.jsonl"))
+    assert curves["step"] == [0, 1]
+    assert stats["final_epoch_dir"] == str(state / "1")

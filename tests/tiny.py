@@ -137,6 +137,7 @@ def write_config(
             "total_seq_len": 256,
             "draft_vocab_size": 256,
             "optimizer": "adamw",
+            "log_every": 1,
         },
         "evaluate": {"k": 3, "max_new_tokens": 12},
     }

@@ -1,0 +1,328 @@
+"""Benchmark draft training: this project's train stage against speculators' own trainer.
+
+    python bench/train.py --smoke                       # CPU, tiny shapes, seconds
+    python bench/train.py --steps 60                    # one GPU, Llama-3.1-8B verifier shape
+    torchrun --nproc-per-node 2 bench/train.py ...      # DDP over 2 GPUs (our stage only)
+
+Both trainers train the same EAGLE-3 draft (1 layer, hidden 4096, draft vocab 32000, 3 TTT
+steps, packed sequences of 2048) on the same synthetic hidden-state shards with the same
+seed; speculators' data path (multipack sampler, CollateFn, shift_batch) and model are used by
+both. Variants:
+
+    ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps
+    speculators_fastest   speculators.train.trainer.Trainer, AdamW, no per-step logging,
+                          its loader settings (12 spawn workers, prefetch 4, pinned)
+    speculators_cli       speculators' CLI defaults: Muon, logging every step
+
+Real (non-padding) tokens per second are timed between steps --warmup and --steps with the
+GPU synchronised at both ends. Prints a table and `key = value` lines; writes
+bench_train.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def make_verifier(path: Path, shape: dict) -> Path:
+    """A verifier folder holding only what the draft needs: config, embeddings, norm, lm_head."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    if (path / "model.safetensors").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    v, h = shape["vocab_size"], shape["hidden_size"]
+    save_file(
+        {
+            "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
+            "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        },
+        str(path / "model.safetensors"),
+    )
+    return path
+
+
+def make_shards(out: Path, record: dict, lengths: list[int], n_shards: int, seed: int):
+    """Synthetic shards in the project's format (random bf16 states, written by ShardWriter)."""
+    from eagle3lib import hidden_states
+    from eagle3lib.fileio import sha256_file, write_json
+    from eagle3lib.verifier import identity
+
+    layers = record["num_hidden_layers"]
+    aux = hidden_states.resolve_aux_layers(None, layers)
+    h = record["hidden_size"]
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=device).manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    shards, manifests = [], []
+    for s in range(n_shards):
+        part = lengths[s::n_shards]
+        path, mpath = out / f"shard-{s}.safetensors", out / f"shard-{s}.json"
+        if not mpath.exists():
+            layout = hidden_states.ShardLayout(tuple(part), len(aux) + 1, h)
+            writer = hidden_states.ShardWriter(
+                path, layout, {}, device=device, max_batch_rows=max(part)
+            )
+            ids = [rng.integers(0, record["vocab_size"], n) for n in part]
+            for i, n in enumerate(part):
+                states = torch.randn(
+                    1, n, len(aux) + 1, h, generator=g, device=device, dtype=torch.bfloat16
+                )
+                writer.put_batch([i], states, [n])
+            writer.close(np.concatenate(ids), np.ones(sum(part), np.uint8))
+            write_json(
+                mpath,
+                {
+                    "verifier": identity(record),
+                    "layer_ids": [*aux, layers],
+                    "hidden_size": h,
+                    "tokens": sum(part),
+                    "rejected": [],
+                    "file": {
+                        "name": path.name,
+                        "bytes": path.stat().st_size,
+                        "sha256": sha256_file(path),
+                    },
+                },
+            )
+        shards.append(path)
+        manifests.append(mpath)
+    return shards, manifests
+
+
+class StepClock:
+    """Synchronised timestamps at two steps: the timed window excludes warm-up/compilation.
+
+    With ``profile_steps`` the first steps of the window also run under torch.profiler, to
+    report how busy the GPU was (kernel time over wall time)."""
+
+    def __init__(self, start: int, stop: int, profile_steps: int = 0):
+        self.start, self.stop, self.step = start, stop, 0
+        self.t0 = self.t1 = None
+        self.profile_steps = profile_steps if torch.cuda.is_available() else 0
+        self.prof = None
+        self.gpu_busy = None
+
+    def __call__(self):
+        self.step += 1
+        if self.step in (self.start, self.stop):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if self.step == self.start:
+                self.t0 = time.perf_counter()
+            else:
+                self.t1 = time.perf_counter()
+        if self.profile_steps and self.step == self.stop:
+            self._profile_start()
+        elif self.prof is not None and self.step == self.stop + self.profile_steps:
+            self._profile_stop()
+
+    def _profile_start(self):
+        try:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+            self.p0 = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - profiling is optional
+            print(f"profiler unavailable: {exc}", flush=True)
+            self.prof = None
+
+    def _profile_stop(self):
+        try:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.p0
+            self.prof.__exit__(None, None, None)
+            kernels = [
+                e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+            busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> seconds
+            self.gpu_busy = round(busy / wall, 3)
+        except Exception as exc:  # noqa: BLE001
+            print(f"profiler failed: {exc}", flush=True)
+        self.prof = None
+
+
+def real_tokens_per_batch(loader, epoch: int, total_seq_len: int) -> list[int]:
+    """Real tokens of each batch as CollateFn/shift_batch pack them (same for all variants)."""
+    sampler = loader.batch_sampler
+    lengths = np.asarray(loader.dataset.approx_lengths)
+    out = []
+    for batch in sampler._generate_batches(epoch):  # noqa: SLF001
+        out.append(int(min(total_seq_len, (lengths[batch] - 1).sum())))
+    return out
+
+
+def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path) -> dict:
+    from speculators.train import trainer as st
+
+    from eagle3lib import train
+    from eagle3lib.config import TrainConfig
+
+    optimizer = "muon" if name == "speculators_cli" else "adamw"
+    log_every = {"ours": 100, "speculators_fastest": 10**9, "speculators_cli": 1}[name]
+    cfg = TrainConfig(
+        epochs=1,
+        total_seq_len=args.total_seq_len,
+        draft_vocab_size=args.draft_vocab,
+        optimizer=optimizer,
+        max_steps=args.steps + args.profile_steps + 1,
+        log_every=log_every,
+        seed=0,
+        val_fraction=0.02,
+        loader_workers=0 if name == "ours" else args.workers,
+        loss="eager" if args.eager_loss else "auto",
+    )
+    clock = StepClock(args.warmup, args.steps, args.profile_steps)
+    tokens_box = {}
+
+    def timed(cls):
+        class TimedTrainer(cls):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                tokens_box["per_batch"] = real_tokens_per_batch(
+                    self.train_loader, 0, args.total_seq_len
+                )
+                self.train_epoch = functools.partial(super().train_epoch, step_callback=clock)
+
+            def val_epoch(self, epoch):  # not part of the benchmark
+                return None
+
+        return TimedTrainer
+
+    cls = timed(train.StreamingTrainer if name == "ours" else st.Trainer)
+    state = out / f"state-{name}"
+    if state.exists():
+        import shutil
+
+        shutil.rmtree(state)
+    stats = train.train(
+        cfg, record, shards, manifests, vocab_map, state, state / "metrics.jsonl", trainer_class=cls
+    )
+    per_batch = tokens_box["per_batch"]
+    tokens = sum(per_batch[args.warmup : args.steps])
+    seconds = clock.t1 - clock.t0
+    return {
+        "variant": name,
+        "optimizer": optimizer,
+        "steps_timed": args.steps - args.warmup,
+        "real_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "ms_per_step": round(1000 * seconds / (args.steps - args.warmup), 2),
+        "tokens_per_s": round(tokens / seconds),
+        "data_wait_fraction": stats.get("data_wait_fraction") if name == "ours" else None,
+        "gpu_busy_fraction": clock.gpu_busy,
+        "attention": stats["attention"],
+        "loss_implementation": stats["loss_implementation"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--variants", default="ours,speculators_fastest,speculators_cli")
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--total-seq-len", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--profile-steps", type=int, default=5, help="steps profiled after the window")
+    p.add_argument(
+        "--eager-loss", action="store_true", help="torch 2.11: the fused loss breaks compile"
+    )
+    p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench-train"))
+    args = p.parse_args()
+    smoke = args.smoke
+    args.samples = args.samples or (48 if smoke else 400)
+    args.steps = args.steps or (12 if smoke else 60)
+    args.warmup = args.warmup or (3 if smoke else 10)
+    args.total_seq_len = args.total_seq_len or (256 if smoke else 2048)
+    args.draft_vocab = args.draft_vocab or (128 if smoke else 32000)
+    if smoke:
+        args.workers = 0
+
+    from eagle3lib import vocab
+    from eagle3lib.verifier import materialize
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = TINY if smoke else LLAMA_8B
+    verifier = make_verifier(out / "verifier", shape)
+    record = materialize(str(verifier), "bench-verifier", out / "unused")
+    rng = np.random.default_rng(0)
+    low, high = (32, 200) if smoke else (256, 2048)
+    lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
+    shards, manifests = make_shards(out, record, lengths, 4, seed=0)
+    freq = np.bincount(rng.integers(0, shape["vocab_size"], 200000), minlength=shape["vocab_size"])
+    d2t, t2d = vocab.build(freq, args.draft_vocab)
+
+    results = []
+    for name in args.variants.split(","):
+        results.append(
+            run_variant(name, args, record, shards, manifests, {"d2t": d2t, "t2d": t2d}, out)
+        )
+        print(json.dumps(results[-1]), flush=True)
+    by = {r["variant"]: r for r in results}
+    summary = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "results": results,
+    }
+    if "ours" in by and "speculators_fastest" in by:
+        summary["speedup_vs_speculators"] = round(
+            by["ours"]["tokens_per_s"] / by["speculators_fastest"]["tokens_per_s"], 3
+        )
+    (out / "bench_train.json").write_text(json.dumps(summary, indent=2))
+    print(f"{'variant':22s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s}")
+    for r in results:
+        print(
+            f"{r['variant']:22s} {r['optimizer']:9s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9d}"
+        )
+    if "ours" in by:
+        print(f"train.tokens_per_s = {by['ours']['tokens_per_s']}")
+        print(f"train.data_wait_fraction = {by['ours']['data_wait_fraction']:.4f}")
+    if "speedup_vs_speculators" in summary:
+        print(f"train.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
+
+
+if __name__ == "__main__":
+    main()
