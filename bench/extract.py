@@ -146,23 +146,21 @@ def one_job(args) -> dict:
     # Correctness before speed: the first samples equal a one-sample forward (bf16 tolerance).
     check = hidden_states.check_against_single_forward(model, aux, samples[:3])
 
-    # Plain forward over the same batches, no hooks and no writes: the compute-only rate.
-    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    # Plain forward over all the same batches, no hooks and no writes: the compute-only rate.
+    dev = hidden_states.input_device(model)
     decoder = model.get_decoder()
     batches = hidden_states.length_batches(lengths, cfg.batch_tokens)
-    fwd_batches = batches[: max(1, len(batches) // 4)]
     with torch.inference_mode():
-        for b in fwd_batches[:2]:
+        for b in batches[:2]:  # warm-up
             decoder(
-                input_ids=torch.as_tensor(
-                    np.stack([np.resize(samples[i], lengths[b[0]]) for i in b])
-                ).to(dev),
+                input_ids=torch.as_tensor(np.stack([samples[i][: lengths[b[-1]]] for i in b])).to(
+                    dev
+                ),
                 use_cache=False,
             )
         sync(device)
         t = time.perf_counter()
-        fwd_tokens = 0
-        for b in fwd_batches:
+        for b in batches:
             ids = np.zeros((len(b), lengths[b[0]]), dtype=np.int64)
             mask = np.zeros_like(ids)
             for r, i in enumerate(b):
@@ -173,9 +171,8 @@ def one_job(args) -> dict:
                 attention_mask=torch.as_tensor(mask).to(dev),
                 use_cache=False,
             )
-            fwd_tokens += sum(lengths[i] for i in b)
         sync(device)
-        fwd_rate = fwd_tokens / (time.perf_counter() - t)
+        fwd_rate = sum(lengths) / (time.perf_counter() - t)
 
     t = time.perf_counter()
     stats = hidden_states.extract_samples(
@@ -214,6 +211,7 @@ def one_job(args) -> dict:
             stats["padded_tokens"] / max(stats["padded_tokens"] + sum(lengths), 1), 4
         ),
         "writer_seconds": round(stats["write_seconds"], 2),
+        "producer_stall_seconds": round(stats["stall_seconds"], 2),
         "start": t,
         "end": t + wall,
     }

@@ -140,6 +140,7 @@ class StepClock:
         self.profile_steps = profile_steps if torch.cuda.is_available() else 0
         self.prof = None
         self.gpu_busy = None
+        self.table = ""
 
     def __call__(self):
         self.step += 1
@@ -157,7 +158,12 @@ class StepClock:
 
     def _profile_start(self):
         try:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
             self.prof.__enter__()
             self.p0 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - profiling is optional
@@ -174,6 +180,7 @@ class StepClock:
             ]
             busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> seconds
             self.gpu_busy = round(busy / wall, 3)
+            self.table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
         except Exception as exc:  # noqa: BLE001
             print(f"profiler failed: {exc}", flush=True)
         self.prof = None
@@ -196,7 +203,12 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
     from eagle3lib.config import TrainConfig
 
     optimizer = "muon" if name == "speculators_cli" else "adamw"
-    log_every = {"ours": 100, "speculators_fastest": 10**9, "speculators_cli": 1}[name]
+    log_every = {
+        "ours": 100,
+        "ours_workers": 100,
+        "speculators_fastest": 10**9,
+        "speculators_cli": 1,
+    }[name]
     cfg = TrainConfig(
         epochs=1,
         total_seq_len=args.total_seq_len,
@@ -226,7 +238,7 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
 
         return TimedTrainer
 
-    cls = timed(train.StreamingTrainer if name == "ours" else st.Trainer)
+    cls = timed(train.StreamingTrainer if name.startswith("ours") else st.Trainer)
     state = out / f"state-{name}"
     if state.exists():
         import shutil
@@ -235,22 +247,40 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
     stats = train.train(
         cfg, record, shards, manifests, vocab_map, state, state / "metrics.jsonl", trainer_class=cls
     )
+    (out / f"profile-{name}.txt").write_text(clock.table)
     per_batch = tokens_box["per_batch"]
     tokens = sum(per_batch[args.warmup : args.steps])
     seconds = clock.t1 - clock.t0
+    processes = stats.get("processes", 1)
+    if processes > 1:  # every rank trained its own batches: add them up
+        import torch.distributed as dist
+
+        both = torch.tensor(
+            [float(tokens), seconds], device="cuda" if torch.cuda.is_available() else "cpu"
+        )
+        dist.all_reduce(both)
+        tokens, seconds = int(both[0]), float(both[1]) / processes
     return {
-        "variant": name,
+        "variant": name + (f"_ddp{processes}" if processes > 1 else ""),
+        "processes": processes,
         "optimizer": optimizer,
         "steps_timed": args.steps - args.warmup,
         "real_tokens": tokens,
         "seconds": round(seconds, 3),
         "ms_per_step": round(1000 * seconds / (args.steps - args.warmup), 2),
         "tokens_per_s": round(tokens / seconds),
-        "data_wait_fraction": stats.get("data_wait_fraction") if name == "ours" else None,
+        "data_wait_fraction": stats.get("data_wait_fraction") if name.startswith("ours") else None,
         "gpu_busy_fraction": clock.gpu_busy,
         "attention": stats["attention"],
         "loss_implementation": stats["loss_implementation"],
     }
+
+
+def device_tag() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    return "h200" if "h200" in name else "gpu"
 
 
 def main() -> None:
@@ -258,7 +288,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--variants", default="ours,speculators_fastest,speculators_cli")
+    p.add_argument("--variants", default="ours,speculators_fastest,speculators_cli,ours_workers")
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
@@ -266,6 +296,9 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--profile-steps", type=int, default=5, help="steps profiled after the window")
+    p.add_argument(
+        "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"
+    )
     p.add_argument(
         "--eager-loss", action="store_true", help="torch 2.11: the fused loss breaks compile"
     )
@@ -301,6 +334,12 @@ def main() -> None:
             run_variant(name, args, record, shards, manifests, {"d2t": d2t, "t2d": t2d}, out)
         )
         print(json.dumps(results[-1]), flush=True)
+    from eagle3lib import train
+
+    rank = int(os.environ.get("RANK", "0"))
+    train.teardown_distributed()
+    if rank != 0:
+        return
     by = {r["variant"]: r for r in results}
     summary = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -311,17 +350,25 @@ def main() -> None:
         summary["speedup_vs_speculators"] = round(
             by["ours"]["tokens_per_s"] / by["speculators_fastest"]["tokens_per_s"], 3
         )
-    (out / "bench_train.json").write_text(json.dumps(summary, indent=2))
+    name = "bench_train" + (f"_ddp{results[0]['processes']}" if results[0]["processes"] > 1 else "")
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    if args.baseline and results[0]["processes"] > 1:
+        single = json.loads(Path(args.baseline).read_text())
+        one = next(r for r in single["results"] if r["variant"] == "ours")["tokens_per_s"]
+        eff = results[0]["tokens_per_s"] / (results[0]["processes"] * one)
+        tag = f"{results[0]['processes']}x{device_tag()}"
+        print(f"train.{tag}.tokens_per_s = {results[0]['tokens_per_s']}")
+        print(f"train.{tag}.scaling_efficiency = {eff:.3f}")
     print(f"{'variant':22s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s}")
     for r in results:
         print(
             f"{r['variant']:22s} {r['optimizer']:9s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9d}"
         )
     if "ours" in by:
-        print(f"train.tokens_per_s = {by['ours']['tokens_per_s']}")
+        print(f"train.{device_tag()}.tokens_per_s = {by['ours']['tokens_per_s']}")
         print(f"train.data_wait_fraction = {by['ours']['data_wait_fraction']:.4f}")
     if "speedup_vs_speculators" in summary:
-        print(f"train.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
+        print(f"train.{device_tag()}.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
 
 
 if __name__ == "__main__":

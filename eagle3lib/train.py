@@ -230,6 +230,27 @@ class StreamingTrainer(Trainer):
 
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
 
+    def setup_optimizer(self):
+        """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)."""
+        import speculators.train.trainer as st
+
+        if not (torch.cuda.is_available() and self.config.optimizer == "adamw"):
+            return super().setup_optimizer()
+
+        def fused_adamw(model, config):
+            params = model.named_parameters()
+            return [
+                torch.optim.AdamW(
+                    params, lr=config.lr, weight_decay=config.weight_decay, fused=True
+                )
+            ]
+
+        original, st.build_optimizers = st.build_optimizers, fused_adamw
+        try:
+            return super().setup_optimizer()
+        finally:
+            st.build_optimizers = original
+
     def _prefetched(self, loader, depth: int = 4):
         """Iterate ``loader`` in a background thread (reading and collating overlap the step)."""
         import queue
@@ -504,7 +525,9 @@ def train(
         "vocab": sha256_json(vocab_map["d2t"].tolist()),
         "runtime": {"attention": runtime["attention"], "loss": runtime["loss"]},
     }
-    resumed = prepare_state_dir(state_dir, fingerprint)
+    rank = setup_distributed()
+    resumed = prepare_state_dir(state_dir, fingerprint) if rank == 0 else None
+    barrier()
 
     set_seed(cfg.seed)
     dtype = runtime["dtype"]
@@ -516,6 +539,7 @@ def train(
         hidden,
         len(aux),
         cfg.seed,
+        cfg.loader_workers,
     )
     val_loader = make_loader(
         ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),
@@ -523,6 +547,7 @@ def train(
         hidden,
         len(aux),
         cfg.seed,
+        cfg.loader_workers,
     )
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         loss_fn="kl_div",
@@ -546,7 +571,7 @@ def train(
         log_freq=cfg.log_every,
         max_steps=cfg.max_steps,
     )
-    recorder = MetricsRecorder(metrics_path)
+    recorder = MetricsRecorder(metrics_path) if rank == 0 else logging.NullHandler()
     metric_logger = logging.getLogger("speculators.metrics")
     metric_logger.addHandler(recorder)
     metric_logger.setLevel(logging.INFO)
@@ -562,6 +587,7 @@ def train(
         metric_logger.removeHandler(recorder)
         recorder.close()
     seconds = time.perf_counter() - t0
+    barrier()
     final = last_epoch_dir(state_dir)
     if final is None:
         raise UserError(f"training finished without a checkpoint in {state_dir}")
@@ -578,10 +604,58 @@ def train(
         "loss_implementation": runtime["loss"],
         "dtype": str(dtype).removeprefix("torch."),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "processes": world_size(),
+        "rank": rank,
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds
         else None,
     }
+
+
+def setup_distributed() -> int:
+    """Join the torchrun process group if launched by torchrun; return this rank.
+
+    On GPUs this is speculators' own set-up (NCCL, one device per local rank); on CPU (tests)
+    a gloo group fills the same topology state speculators' trainer and sampler read.
+    """
+    import os
+
+    from speculators.train import distributed as sd
+
+    if "LOCAL_RANK" not in os.environ or sd.is_distributed():
+        return sd.get_rank()
+    if torch.accelerator.current_accelerator() is not None:
+        sd.maybe_setup_distributed()
+        return sd.get_rank()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    sd._local_rank = int(os.environ["LOCAL_RANK"])  # noqa: SLF001
+    sd._is_distributed = True  # noqa: SLF001
+    sd._rank, sd._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
+    sd._init_sp_process_groups(sd._rank, sd._world_size, 1)  # noqa: SLF001
+    return sd._rank  # noqa: SLF001
+
+
+def world_size() -> int:
+    from speculators.train import distributed as sd
+
+    return sd.get_world_size()
+
+
+def barrier() -> None:
+    from speculators.train import distributed as sd
+
+    if sd.is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def teardown_distributed() -> None:
+    from speculators.train import distributed as sd
+
+    sd.maybe_destroy_distributed()
 
 
 def last_epoch_dir(state_dir: Path) -> Path | None:

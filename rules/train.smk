@@ -29,6 +29,7 @@ rule train:
         "python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
-        " --train {params.train:q} --state-dir {params.state} --threads {threads}"
+        " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
+        " --threads {threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary} > {log} 2>&1"

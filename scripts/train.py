@@ -1,7 +1,12 @@
-"""Train the EAGLE-3 draft with speculators and export the checkpoint (+ model card)."""
+"""Train the EAGLE-3 draft with speculators and export the checkpoint (+ model card).
+
+With --gpus N > 1 it relaunches itself under torchrun (DDP, one process per leased GPU).
+"""
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -11,8 +16,7 @@ from eagle3lib.fileio import atomic_path, write_json
 from eagle3lib.verifier import read_record
 
 
-@cli
-def main() -> None:
+def parse():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True)
     p.add_argument("--shards", type=Path, nargs="+", required=True)
@@ -20,25 +24,43 @@ def main() -> None:
     p.add_argument("--vocab-map", type=Path, required=True)
     p.add_argument("--train", required=True, help="the config's train section as JSON")
     p.add_argument("--state-dir", type=Path, required=True, help="resumable trainer state")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs leased for this job")
+    p.add_argument("--processes", type=int, default=None, help="DDP processes (default: --gpus)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out-config", type=Path, required=True)
     p.add_argument("--out-weights", type=Path, required=True)
     p.add_argument("--out-card", type=Path, required=True)
     p.add_argument("--out-summary", type=Path, required=True)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+@cli
+def main() -> None:
+    a = parse()
+    processes = a.processes if a.processes is not None else a.gpus
+    if processes > 1 and "LOCAL_RANK" not in os.environ:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        os.execv(
+            sys.executable, [*torchrun, f"--nproc-per-node={processes}", __file__, *sys.argv[1:]]
+        )
 
     import torch
 
     from eagle3lib import checkpoint, train, vocab
 
     if a.threads:
-        torch.set_num_threads(a.threads)
+        torch.set_num_threads(max(1, a.threads // max(processes, 1)))
     cfg = from_json(TrainConfig, a.train)
     record = read_record(a.verifier)
     metrics = a.state_dir / "metrics.jsonl"
-    stats = train.train(
-        cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
-    )
+    try:
+        stats = train.train(
+            cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
+        )
+    finally:
+        train.teardown_distributed()
+    if stats["rank"] != 0:
+        return
     out_dir = a.out_config.parent
     assert a.out_weights.parent == out_dir, "config and weights must share the checkpoint folder"
     config = checkpoint.export(Path(stats["final_epoch_dir"]), out_dir, record["name"])

@@ -136,3 +136,61 @@ def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
     curves = train.loss_curves(train.read_metrics(state / "m.jsonl"))
     assert curves["step"] == [0, 1]
     assert stats["final_epoch_dir"] == str(state / "1")
+
+
+def test_ddp_over_two_processes_trains_and_exports_once(pipeline, tmp_path):
+    """The train script relaunches itself under torchrun (gloo on CPU): 2 ranks, 1 export."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict, replace
+    from pathlib import Path
+
+    from eagle3lib import checkpoint, vocab
+    from eagle3lib.fileio import write_json
+
+    root = Path(__file__).resolve().parents[1]
+    write_json(tmp_path / "verifier.json", pipeline["record"])
+    vocab.save(
+        tmp_path / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
+    )
+    cfg = asdict(replace(pipeline["train_cfg"], epochs=1))
+    out = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "scripts" / "train.py"),
+            "--verifier",
+            str(tmp_path / "verifier.json"),
+            "--shards",
+            *map(str, pipeline["shards"]),
+            "--manifests",
+            *map(str, pipeline["manifests"]),
+            "--vocab-map",
+            str(tmp_path / "vocab.safetensors"),
+            "--train",
+            json.dumps(cfg),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--processes",
+            "2",
+            "--threads",
+            "2",
+            "--out-config",
+            str(out / "config.json"),
+            "--out-weights",
+            str(out / "model.safetensors"),
+            "--out-card",
+            str(out / "README.md"),
+            "--out-summary",
+            str(tmp_path / "summary.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["rank"] == 0
+    assert len(summary["curves"]["train_loss"]) >= 2
+    assert checkpoint.check(out, pipeline["record"], [2, 4, 5])["valid"] is True
