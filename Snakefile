@@ -11,6 +11,9 @@ if not workflow.config_settings.configfiles:
     configfile: "config.yaml"
 
 
+report: "rules/report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/verifier.smk"
 include: "rules/data.smk"

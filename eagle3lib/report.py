@@ -49,6 +49,35 @@ def benchmark_seconds(paths: dict[str, Path]) -> dict[str, float]:
     return out
 
 
+def provenance_table(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per job: what made it (config hash, commit, packages, verifier, host, GPUs)."""
+    return {
+        r["job"]: {
+            "config_sha256": r["config_sha256"],
+            "git": r["git"],
+            "packages": r["packages"],
+            "verifier": r["verifier"],
+            "seed": r["seed"],
+            "host": r["host"],
+            "gpus": r["gpus"],
+        }
+        for r in sorted(records, key=lambda r: r["job"])
+    }
+
+
+STAGE_DIRS = ("verifier", "prepared", "hidden_states", "vocab", "train", "checkpoint", "reports")
+
+
+def disk_usage(run: str, root: Path = Path("results")) -> dict[str, int]:
+    """Bytes on disk per stage directory of results/<run>/."""
+    usage = {}
+    for stage in STAGE_DIRS:
+        folder = root / run / stage
+        if folder.exists():
+            usage[stage] = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return usage
+
+
 def problems_of(summary: dict[str, Any]) -> list[str]:
     """Everything that makes the build invalid, one line each."""
     problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
@@ -75,6 +104,7 @@ def summarize(
     acceptance: dict[str, Any],
     gpu_records: dict[str, Path],
     benchmarks: dict[str, Path],
+    provenance: list[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     gpu = gpu_memory_table(gpu_records)
     summary = {
@@ -106,6 +136,8 @@ def summarize(
         "vocab": vocab,
         "training": training,
         "seconds_per_job": benchmark_seconds(benchmarks),
+        "disk_bytes": disk_usage(run),
+        "provenance": provenance_table(provenance),
     }
     summary["problems"] = problems_of(summary)
     summary["valid"] = not summary["problems"]
@@ -148,9 +180,113 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
             lines.append(f"- `{job}`: {devs or 'no GPU leased'}")
     lines += ["", "## Time per job (s)", ""]
     lines += [f"- `{job}`: {s}" for job, s in summary["seconds_per_job"].items()]
+    lines += ["", "## Disk per stage", ""]
+    lines += [f"- `{stage}`: {size / 1e6:,.1f} MB" for stage, size in summary["disk_bytes"].items()]
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        "| job | config sha256 | commit | host | GPUs |",
+        "|---|---|---|---|---|",
+    ]
+    for job, p in summary["provenance"].items():
+        commit = (p["git"] or {}).get("commit", "?")[:10] + (
+            " (dirty)" if (p["git"] or {}).get("dirty") else ""
+        )
+        lines.append(
+            f"| `{job}` | `{p['config_sha256'][:12]}` | `{commit}` | {p['host']} | {', '.join(p['gpus']) or 'none'} |"
+        )
     for title, name in plots.items():
         lines += ["", f"## {title}", "", f"![{title}]({name})"]
     return "\n".join(lines) + "\n"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    from html import escape
+
+    head = "".join(f"<th>{escape(str(h))}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def html_tables(summary: dict[str, Any]) -> str:
+    """The report's tables as one HTML page (embedded in `snakemake --report`)."""
+    acc = summary["acceptance"]
+    gpu_rows = []
+    for job, e in summary["gpu_memory"].items():
+        if not e["available"]:
+            gpu_rows.append([job, "-", e["reason"], "-", ", ".join(e["leaks"]) or "none"])
+        for d in e.get("devices", []):
+            gpu_rows.append(
+                [
+                    job,
+                    d["index"],
+                    d["name"],
+                    f"{d['before_mib']:.0f} -> {d['after_mib']:.0f}",
+                    ", ".join(e["leaks"]) or "none",
+                ]
+            )
+    sections = [
+        (
+            "Acceptance",
+            _table(
+                [
+                    "k",
+                    "acceptance length",
+                    "per-position acceptance",
+                    "prompts",
+                    "steps",
+                    "text equals verifier",
+                ],
+                [
+                    [
+                        summary["k"],
+                        f"{summary['acceptance_length']:.4f}",
+                        ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"]),
+                        acc["prompts"],
+                        acc["steps"],
+                        summary["text_matches_verifier"],
+                    ]
+                ],
+            ),
+        ),
+        (
+            "Seconds per job",
+            _table(["job", "seconds"], [[j, s] for j, s in summary["seconds_per_job"].items()]),
+        ),
+        (
+            "Disk per stage",
+            _table(
+                ["stage", "MB"], [[s, f"{b / 1e6:,.1f}"] for s, b in summary["disk_bytes"].items()]
+            ),
+        ),
+        (
+            "GPU memory (NVML, MiB before -> after)",
+            _table(["job", "GPU", "device / reason", "used MiB", "leaks"], gpu_rows),
+        ),
+        (
+            "Provenance",
+            _table(
+                ["job", "config sha256", "commit", "host", "GPUs"],
+                [
+                    [
+                        j,
+                        p["config_sha256"][:16],
+                        ((p["git"] or {}).get("commit") or "?")[:12],
+                        p["host"],
+                        ", ".join(p["gpus"]) or "none",
+                    ]
+                    for j, p in summary["provenance"].items()
+                ],
+            ),
+        ),
+        ("Problems", _table(["problem"], [[p] for p in summary["problems"]] or [["none"]])),
+    ]
+    style = "table{border-collapse:collapse;margin:0 0 1.5em}td,th{border:1px solid #bbb;padding:3px 8px;font:13px sans-serif}"
+    body = "".join(f"<h3>{title}</h3>{table}" for title, table in sections)
+    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>\n"
 
 
 def plot_acceptance(per_position: list[float], k: int, path: Path) -> None:

@@ -419,6 +419,12 @@ def resolve_runtime(cfg) -> dict[str, Any]:
             "config key train.attention: flex attention has no backward pass on CPU; "
             "use sdpa or eager (numerically equal) or auto"
         )
+    if attention == "simple_flex_attention" and cfg.total_seq_len % 128:
+        raise UserError(
+            f"config key train.total_seq_len: {cfg.total_seq_len} is not a multiple of 128, "
+            "which flex attention's block mask needs; use e.g. "
+            f"{(cfg.total_seq_len // 128 + 1) * 128}"
+        )
     loss = cfg.loss
     has_triton = False
     with contextlib.suppress(ImportError):

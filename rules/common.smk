@@ -39,9 +39,11 @@ def results(path):
 
 
 def script(name):
-    """A script of this workflow, relative to the working directory (an input of its rule,
-    so editing a script re-runs the jobs it made)."""
-    return os.path.relpath(Path(workflow.basedir) / "scripts" / name)
+    """A script of this workflow, relative to the working directory, as an ancient input: its
+    path is part of the rule's inputs, but its timestamp never triggers a rerun (a fresh clone
+    must not rebuild results copied from elsewhere). After editing a script, rerun its rule
+    with `-R <rule>`."""
+    return ancient(os.path.relpath(Path(workflow.basedir) / "scripts" / name))
 
 
 VERIFIER = results("verifier/verifier.json")
@@ -64,6 +66,7 @@ SUMMARY = results("reports/summary.json")
 SUMMARY_MD = results("reports/summary.md")
 PLOT_ACCEPTANCE = results("reports/acceptance.png")
 PLOT_LOSS = results("reports/loss.png")
+REPORT_TABLES = results("reports/tables.html")
 VALIDATION = results("reports/validation.txt")
 GPU_RECORD = results("gpu/{job}.json")
 
@@ -80,6 +83,28 @@ def prepare_section():
     data = dict(config["data"])
     data["eval"] = {k: v for k, v in data["eval"].items() if k != "max_prompts"}
     return json.dumps(data, sort_keys=True)
+
+
+def provenance(directory, job):
+    """provenance-<job>.json beside a job's artifacts (see eagle3lib/provenance.py)."""
+    return results(f"{directory}/provenance-{job}.json")
+
+
+PROVENANCE = {
+    "verifier": provenance("verifier", "verifier"),
+    "prepare": provenance("prepared", "prepare"),
+    "extract": provenance("hidden_states", "extract-{shard}"),
+    "vocab": provenance("vocab", "vocab"),
+    "train": provenance("checkpoint", "train"),
+    "check_checkpoint": provenance("reports", "check_checkpoint"),
+    "evaluate": provenance("reports", "evaluate"),
+}
+
+
+def provenance_records():
+    jobs = dict(PROVENANCE)
+    extract = jobs.pop("extract")
+    return [*jobs.values(), *expand(extract, shard=range(N_SHARDS))]
 
 
 def log(name):
@@ -145,6 +170,7 @@ def report_inputs(wildcards):
         "acceptance": ACCEPTANCE,
         "gpu": list(gpu_records().values()),
         "benchmarks": list(benchmarks().values()),
+        "provenance": provenance_records(),
         "script": script("report.py"),
     }
 

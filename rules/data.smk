@@ -8,6 +8,7 @@ rule prepare:
     output:
         samples=SAMPLES,
         info=SAMPLES_INFO,
+        provenance=PROVENANCE["prepare"],
     log:
         log("prepare"),
     benchmark:
@@ -19,4 +20,5 @@ rule prepare:
     shell:
         "python {input.script} --verifier {input.verifier} --train {input.train}"
         " --eval {input.eval} --data {params.data:q}"
-        " --out-samples {output.samples} --out-info {output.info} > {log} 2>&1"
+        " --out-samples {output.samples} --out-info {output.info}"
+        " --provenance {output.provenance} > {log} 2>&1"

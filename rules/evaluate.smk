@@ -8,13 +8,15 @@ rule check_checkpoint:
         script=script("check_checkpoint.py"),
     output:
         report=CHECKPOINT_REPORT,
+        provenance=PROVENANCE["check_checkpoint"],
     log:
         log("check_checkpoint"),
     conda:
         "../envs/train.yaml"
     shell:
         "python {input.script} --verifier {input.verifier} --config {input.config}"
-        " --manifest {input.manifest} --out {output.report} > {log} 2>&1"
+        " --manifest {input.manifest} --out {output.report}"
+        " --provenance {output.provenance} > {log} 2>&1"
 
 
 rule evaluate:
@@ -30,6 +32,7 @@ rule evaluate:
     output:
         acceptance=ACCEPTANCE,
         gpu=gpu_record("evaluate"),
+        provenance=PROVENANCE["evaluate"],
     log:
         log("evaluate"),
     benchmark:
@@ -47,4 +50,5 @@ rule evaluate:
         " python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --prompts {input.prompts}"
         " --max-prompts {params.max_prompts} --evaluate {params.evaluate:q}"
-        " --threads {threads} --out {output.acceptance} > {log} 2>&1"
+        " --threads {threads} --out {output.acceptance}"
+        " --provenance {output.provenance} > {log} 2>&1"

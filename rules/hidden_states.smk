@@ -10,6 +10,7 @@ rule extract:
         shard=SHARD,
         manifest=SHARD_MANIFEST,
         gpu=gpu_record("extract-{shard}"),
+        provenance=PROVENANCE["extract"],
     log:
         log("extract-{shard}"),
     benchmark:
@@ -26,4 +27,5 @@ rule extract:
         " python {input.script} --verifier {input.verifier} --samples {input.samples}"
         " --info {input.info} --shard {wildcards.shard} --extract {params.extract:q}"
         " --threads {threads} --out-shard {output.shard} --out-manifest {output.manifest}"
+        " --provenance {output.provenance}"
         " > {log} 2>&1"

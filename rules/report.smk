@@ -5,8 +5,11 @@ rule report:
     output:
         summary=SUMMARY,
         markdown=SUMMARY_MD,
-        plot_acceptance=PLOT_ACCEPTANCE,
-        plot_loss=PLOT_LOSS,
+        plot_acceptance=report(
+            PLOT_ACCEPTANCE, caption="report/acceptance.rst", category="Evaluation"
+        ),
+        plot_loss=report(PLOT_LOSS, caption="report/loss.rst", category="Training"),
+        tables=report(REPORT_TABLES, caption="report/tables.rst", category="Summary"),
     log:
         log("report"),
     conda:
@@ -18,9 +21,10 @@ rule report:
         " --samples-info {input.samples_info} --manifests {input.manifests}"
         " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
-        " --gpu {input.gpu} --benchmarks {input.benchmarks}"
+        " --gpu {input.gpu} --benchmarks {input.benchmarks} --provenance {input.provenance}"
         " --out {output.summary} --out-markdown {output.markdown}"
         " --out-plot-acceptance {output.plot_acceptance} --out-plot-loss {output.plot_loss}"
+        " --out-tables {output.tables}"
         " > {log} 2>&1"
 
 

@@ -13,6 +13,7 @@ rule train:
         card=CHECKPOINT_CARD,
         summary=TRAIN_SUMMARY,
         gpu=gpu_record("train"),
+        provenance=PROVENANCE["train"],
     log:
         log("train"),
     benchmark:
@@ -32,4 +33,5 @@ rule train:
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
         " --threads {threads}"
         " --out-config {output.config} --out-weights {output.weights}"
-        " --out-card {output.card} --out-summary {output.summary} > {log} 2>&1"
+        " --out-card {output.card} --out-summary {output.summary}"
+        " --provenance {output.provenance} > {log} 2>&1"

@@ -5,6 +5,7 @@ rule verifier:
         script=script("verifier.py"),
     output:
         record=VERIFIER,
+        provenance=PROVENANCE["verifier"],
     log:
         log("verifier"),
     benchmark:
@@ -16,4 +17,4 @@ rule verifier:
         hf_dir=VERIFIER_HF,
     shell:
         "python {input.script} --verifier {params.verifier:q} --hf-dir {params.hf_dir}"
-        " --out {output.record} > {log} 2>&1"
+        " --out {output.record} --provenance {output.provenance} > {log} 2>&1"

@@ -6,6 +6,7 @@ rule vocab:
     output:
         vocab_map=VOCAB_MAP,
         info=VOCAB_INFO,
+        provenance=PROVENANCE["vocab"],
     log:
         log("vocab"),
     benchmark:
@@ -17,4 +18,5 @@ rule vocab:
     shell:
         "python {input.script} --samples {input.samples}"
         " --draft-vocab-size {params.draft_vocab_size}"
-        " --out-map {output.vocab_map} --out-info {output.info} > {log} 2>&1"
+        " --out-map {output.vocab_map} --out-info {output.info}"
+        " --provenance {output.provenance} > {log} 2>&1"

@@ -17,6 +17,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
     p.add_argument("--manifest", type=Path, required=True, help="a shard manifest (layer ids)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
 
     from eagle3lib import checkpoint
@@ -24,6 +25,10 @@ def main() -> None:
     aux = read_json(a.manifest)["layer_ids"][:-1]
     report = checkpoint.check(a.config.parent, read_record(a.verifier), aux)
     write_json(a.out, report)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.provenance, "check_checkpoint", {"aux_layer_ids": aux}, a.verifier, None)
     print(json.dumps({k: v for k, v in report.items() if k != "tensors"}, indent=2))
 
 

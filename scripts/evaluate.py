@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--evaluate", required=True, help="the config's evaluate section as JSON")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
 
     import torch
@@ -57,6 +58,16 @@ def main() -> None:
     result["device"] = device.type
     result["dtype"] = str(dtype).removeprefix("torch.")
     write_json(a.out, result)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(
+            a.provenance,
+            "evaluate",
+            {**json.loads(a.evaluate), "max_prompts": a.max_prompts},
+            a.verifier,
+            None,
+        )
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
 
 

@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out-shard", type=Path, required=True)
     p.add_argument("--out-manifest", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
 
     import torch
@@ -43,6 +44,12 @@ def main() -> None:
         a.out_shard,
         a.out_manifest,
     )
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(
+            a.provenance, f"extract-{a.shard}", json.loads(a.extract), a.verifier, None
+        )
     if stats["rejected"]:
         print(
             f"warning: {stats['rejected']} sample(s) rejected for non-finite states",

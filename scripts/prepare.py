@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--data", required=True, help="the config's data section as JSON")
     p.add_argument("--out-samples", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
     section = json.loads(a.data)
     cfg = from_dict(PrepareConfig, {**section, **section["train"]})
@@ -30,6 +31,10 @@ def main() -> None:
     prepared = data.prepare_samples(tokenizer, a.train, cfg, exclude_prompts=held_out)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])
     write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.provenance, "prepare", section, a.verifier, None)
     print(json.dumps(prepared.summary, indent=2))
 
 

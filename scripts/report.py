@@ -23,10 +23,12 @@ def main() -> None:
     p.add_argument("--acceptance", type=Path, required=True)
     p.add_argument("--gpu", type=Path, nargs="+", required=True, help="gpu/<job>.json records")
     p.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="benchmarks/<job>.tsv")
+    p.add_argument("--provenance", type=Path, nargs="*", default=[], help="provenance-<job>.json")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-markdown", type=Path, required=True)
     p.add_argument("--out-plot-acceptance", type=Path, required=True)
     p.add_argument("--out-plot-loss", type=Path, required=True)
+    p.add_argument("--out-tables", type=Path, required=True, help="HTML tables for --report")
     a = p.parse_args()
 
     prepare = read_json(a.samples_info)
@@ -48,6 +50,7 @@ def main() -> None:
         acceptance=read_json(a.acceptance),
         gpu_records={g.stem: g for g in a.gpu},
         benchmarks={b.stem: b for b in a.benchmarks if b.exists()},
+        provenance=[read_json(p) for p in a.provenance],
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
         report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)
@@ -59,6 +62,8 @@ def main() -> None:
     }
     with atomic_path(a.out_markdown) as tmp:
         tmp.write_text(report.markdown(summary, plots))
+    with atomic_path(a.out_tables) as tmp:
+        tmp.write_text(report.html_tables(summary))
     write_json(a.out, summary)
     print(
         json.dumps(

@@ -31,6 +31,7 @@ def parse():
     p.add_argument("--out-weights", type=Path, required=True)
     p.add_argument("--out-card", type=Path, required=True)
     p.add_argument("--out-summary", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     return p.parse_args()
 
 
@@ -69,6 +70,10 @@ def main() -> None:
         tmp.write_text(checkpoint.model_card(config, record, stats))
     summary = {**stats, "curves": train.loss_curves(train.read_metrics(metrics))}
     write_json(a.out_summary, summary)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.provenance, "train", json.loads(a.train), a.verifier, cfg.seed)
     print(json.dumps({k: v for k, v in summary.items() if k != "curves"}, indent=2))
 
 

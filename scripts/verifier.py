@@ -16,6 +16,7 @@ def main() -> None:
     p.add_argument("--verifier", required=True, help="the config's verifier section as JSON")
     p.add_argument("--hf-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
     v = json.loads(a.verifier)
     record = materialize(
@@ -26,6 +27,10 @@ def main() -> None:
         allow_pickle=v.get("allow_pickle", False),
     )
     write_json(a.out, record)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.provenance, "verifier", v, a.out, None)
     print(json.dumps(record, indent=2))
 
 

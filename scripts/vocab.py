@@ -18,12 +18,19 @@ def main() -> None:
     p.add_argument("--draft-vocab-size", type=int, required=True)
     p.add_argument("--out-map", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
+    p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
     freq = load_samples(a.samples).token_freq
     d2t, t2d = vocab.build(freq, a.draft_vocab_size)
     vocab.save(a.out_map, d2t, t2d)
     info = vocab.coverage(freq, t2d)
     write_json(a.out_info, info)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(
+            a.provenance, "vocab", {"draft_vocab_size": a.draft_vocab_size}, None, None
+        )
     print(json.dumps(info, indent=2))
 
 

@@ -60,6 +60,20 @@ def test_conda_env_pins_equal_the_lock_file(env):
     assert {k: LOCK.get(k) for k in declared} == declared
 
 
+def test_conda_env_covers_the_runtime_and_post_deploy_installs_the_no_deps_packages():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = {k for k in pins(project["dependencies"]) if not k.startswith("snakemake")}
+    spec = yaml.safe_load((ROOT / "envs" / "train.yaml").read_text())
+    pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict) and "pip" in d)
+    assert set(pins(pip)) == runtime
+    post = (ROOT / "envs" / "train.post-deploy.sh").read_text().replace("\\\n", " ")
+    no_deps = pins((ROOT / "requirements" / "no-deps.txt").read_text().splitlines())
+    assert pins(re.findall(r"\S+==\S+", post)) == no_deps
+    assert "--no-deps" in post
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -1,0 +1,269 @@
+"""The Snakemake profiles in profiles/: the workstation profile's GPU cap and the sbatch lines
+the SLURM profile makes the slurm executor plugin submit for every rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKSTATION = ROOT / "profiles" / "workstation"
+SLURM = ROOT / "profiles" / "slurm"
+PROFILE_FILE = "profile.v9+.yaml"
+
+# The GPU counts of the test config (resources: gpu=N of each GPU rule).
+GPUS = {"extract": 1, "train": 2, "evaluate": 1}
+CPU_RULES = ("verifier", "prepare", "vocab")
+
+
+def snakemake(workdir: Path, configfile: Path, *args: str, env=None, timeout: float = 120):
+    """`snakemake` on this repo's Snakefile in ``workdir``, like conftest.run_snakemake but
+    without --cores (profiles set it), with a timeout and an optional environment."""
+    if env is None:
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+    cmd += ["--directory", str(workdir), "--workflow-profile", "none"]
+    cmd += [*args, "--configfile", str(configfile)]  # targets before --configfile
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def job_resources(output: str) -> dict[str, list[dict[str, str]]]:
+    """The `resources:` line of every job block of a run's output, by rule."""
+    jobs: dict[str, list[dict[str, str]]] = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", output):
+        m = re.match(r"(?:local)?rule (\w+):", block.strip())
+        r = re.search(r"^\s+resources: (.+)$", block, re.MULTILINE)
+        if m and r:
+            pairs = (item.split("=", 1) for item in r.group(1).split(", ") if "=" in item)
+            jobs.setdefault(m.group(1), []).append({k: v for k, v in pairs})
+    return jobs
+
+
+@pytest.fixture
+def workspace(tmp_path, verifier_dir):
+    """A working directory with tiny data and a config whose GPU rules ask for GPUS."""
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(8, seed=3))
+    evals = tiny.write_jsonl(
+        tmp_path / "eval.jsonl", [{"question_id": 1, "turns": ["Tell me about the model"]}]
+    )
+
+    def write(**gpus):
+        counts = {**GPUS, **gpus}
+        return tiny.write_config(
+            tmp_path / "config.yaml",
+            "t",
+            verifier_dir,
+            train,
+            evals,
+            extract={"gpus_per_job": counts["extract"]},
+            train={"gpus": counts["train"]},
+            evaluate={"gpus": counts["evaluate"]},
+        )
+
+    write.dir = tmp_path
+    return write
+
+
+# ---- the profile files themselves ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", [WORKSTATION, SLURM], ids=["workstation", "slurm"])
+def test_snakemake_picks_the_profile_file(profile):
+    from snakemake.cli import get_profile_dir
+
+    assert get_profile_dir(str(profile)) == (profile, profile / PROFILE_FILE)
+    assert sorted(p.name for p in profile.iterdir()) == [PROFILE_FILE]
+
+
+@pytest.mark.parametrize("profile", [WORKSTATION, SLURM], ids=["workstation", "slurm"])
+def test_every_profile_entry_is_commented(profile):
+    lines = (profile / PROFILE_FILE).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*[\w-]+:", line) and "#" not in line:
+            above = lines[i - 1].strip() if i else ""
+            assert above.startswith("#"), f"{profile.name} line {i + 1} has no comment: {line}"
+
+
+def test_slurm_profile_requests_gpus_only_through_the_gpu_resource():
+    profile = yaml.safe_load((SLURM / PROFILE_FILE).read_text())
+    assert profile["executor"] == "slurm"
+    assert set(profile["set-resources"]) == set(GPUS)
+    for rule, resources in profile["set-resources"].items():
+        assert resources["slurm_partition"] != profile["default-resources"]["slurm_partition"]
+        assert {"runtime", "mem_mb"} <= set(resources), rule
+        # GPU counts come from the config; `gpus`/`nvidia_gpu` would request no GPU and
+        # `tasks` would run the job once per GPU (plugin issue #459).
+        forbidden = {"gpu", "gpus", "nvidia_gpu", "gres", "tasks", "tasks_per_gpu", "slurm_extra"}
+        assert not forbidden & set(resources), rule
+    assert profile["set-resources"]["train"]["cpus_per_gpu"] >= 1
+
+
+# ---- runs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_workstation_profile_dry_run_shows_gpu_resources_and_caps_them(workspace):
+    proc = snakemake(workspace.dir, workspace(), "-n", "--profile", str(WORKSTATION))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert f"Using profile {WORKSTATION}" in out
+    jobs = job_resources(out)
+    assert len(jobs["extract"]) == 2
+    for rule, count in GPUS.items():
+        assert all(job["gpu"] == str(count) for job in jobs[rule]), (rule, jobs[rule])
+    for rule in CPU_RULES:
+        assert all("gpu" not in job for job in jobs[rule]), (rule, jobs[rule])
+
+    # The profile's `resources: [gpu=2]` is the machine's GPU count: a job asking for more is
+    # scaled down to it (and never runs next to another GPU job holding those devices).
+    proc = snakemake(workspace.dir, workspace(train=5), "-n", "--profile", str(WORKSTATION))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [job["gpu"] for job in job_resources(proc.stdout)["train"]] == ["2"]
+
+
+STUB = """#!{python}
+# Stand-in for the SLURM command {tool!r}: records its command line, answers like SLURM.
+import fcntl, json, os, sys
+from pathlib import Path
+
+state = Path(os.environ["SLURM_STUB_DIR"])
+with open(state / "lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(state / "calls.jsonl", "a") as calls:
+        calls.write(json.dumps({{"tool": {tool!r}, "argv": sys.argv[1:]}}) + "\\n")
+    ids = state / "job_ids"
+    if {tool!r} == "sbatch":  # --parsable: print the new job id
+        job_id = str(1000 + len(ids.read_text().split()) if ids.exists() else 1000)
+        ids.write_text((ids.read_text() if ids.exists() else "") + job_id + "\\n")
+        print(job_id)
+    elif {tool!r} in ("squeue", "sacct"):  # every job submitted so far has finished
+        for job_id in ids.read_text().split() if ids.exists() else []:
+            print(f"{{job_id}}|COMPLETED")
+    elif {tool!r} in ("sacctmgr", "sshare"):  # the user's accounts
+        print(os.environ["SLURM_STUB_ACCOUNT"])
+    elif {tool!r} == "scontrol":  # scontrol show config
+        print("MaxArraySize = 1001\\nMinJobAge = 300 sec")
+"""
+SLURM_TOOLS = ("sbatch", "sacctmgr", "scontrol", "sshare", "squeue", "sacct")
+
+
+def sbatch_jobs(calls: list[dict]) -> dict[str, list[list[str]]]:
+    """The recorded sbatch calls by rule (from --comment rule_<rule>[_wildcards_<w>]), each
+    without its --wrap (the job's own snakemake command line)."""
+    jobs: dict[str, list[list[str]]] = {}
+    for call in calls:
+        if call["tool"] != "sbatch":
+            continue
+        argv = call["argv"]
+        comment = argv[argv.index("--comment") + 1]
+        rule = re.fullmatch(r"rule_(\w+?)(?:_wildcards_.*)?", comment).group(1)
+        jobs.setdefault(rule, []).append([a for a in argv if not a.startswith("--wrap")])
+    return jobs
+
+
+@pytest.mark.slow
+def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspace):
+    """A real (not dry) run of the whole workflow with --profile profiles/slurm.
+
+    The stub scripts `sbatch`, `sacctmgr`, `scontrol`, `sshare`, `squeue` and `sacct`, first on
+    PATH, stand in for a SLURM cluster, which cannot run here: they record their command lines,
+    `sbatch` prints a job id without running anything, and `squeue`/`sacct` report every
+    submitted job COMPLETED. The outputs of all jobs are created empty beforehand and
+    --forceall submits every job anyway, so the plugin walks the whole DAG, rule by rule, and
+    every sbatch line it builds is recorded and checked.
+    """
+    profile = yaml.safe_load((SLURM / PROFILE_FILE).read_text())
+    defaults, per_rule = profile["default-resources"], profile["set-resources"]
+    config = workspace()
+    work = workspace.dir
+
+    stubs = work / "slurm-stubs"
+    stubs.mkdir()
+    for tool in SLURM_TOOLS:
+        (stubs / tool).write_text(STUB.format(python=sys.executable, tool=tool))
+        (stubs / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = os.pathsep.join([str(stubs), str(Path(sys.executable).parent), env["PATH"]])
+    env["SLURM_STUB_DIR"] = str(stubs)
+    env["SLURM_STUB_ACCOUNT"] = str(defaults["slurm_account"])
+
+    # Every output and benchmark file of the DAG, empty: the "jobs" below only pretend to run,
+    # and Snakemake checks that a finished job's files exist.
+    dry = snakemake(work, config, "-n", "--cores", "1", timeout=60)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    files = re.findall(r"^\s+(?:output|benchmark): (.+)$", dry.stdout, re.MULTILINE)
+    assert files
+    for path in (p for line in files for p in line.split(", ")):
+        (work / path).parent.mkdir(parents=True, exist_ok=True)
+        (work / path).touch()
+
+    proc = snakemake(
+        work,
+        config,
+        "--profile",
+        str(SLURM),
+        "--forceall",
+        "--jobs",
+        "4",
+        "--latency-wait",
+        "1",
+        "--seconds-between-status-checks",
+        "1",
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        env=env,
+        timeout=150,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Using profile" in out and "SLURM run ID" in out
+
+    calls = [json.loads(line) for line in (stubs / "calls.jsonl").read_text().splitlines()]
+    jobs = sbatch_jobs(calls)
+    (work / "sbatch-lines.txt").write_text(
+        "".join(f"{rule}: {shlex.join(a)}\n" for rule, argvs in jobs.items() for a in argvs)
+    )
+    assert {rule: len(argvs) for rule, argvs in jobs.items()} == {
+        "verifier": 1,
+        "prepare": 1,
+        "extract": 2,
+        "vocab": 1,
+        "train": 1,
+        "check_checkpoint": 1,
+        "evaluate": 1,
+        "report": 1,
+        "validate": 1,
+    }
+    for call in calls:
+        if call["tool"] == "sbatch":
+            assert not any("--ntasks-per-gpu" in a for a in call["argv"]), call["argv"]
+
+    def flags(argv):
+        return {a for a in argv if a.startswith("--")}
+
+    for rule, argvs in jobs.items():
+        for argv in argvs:
+            assert argv[argv.index("-A") + 1] == defaults["slurm_account"], argv
+            partition = per_rule.get(rule, defaults)["slurm_partition"]
+            assert argv[argv.index("-p") + 1] == partition, argv
+            gpu_flags = {f for f in flags(argv) if f.startswith(("--gpus", "--gres"))}
+            if rule in GPUS:
+                assert gpu_flags == {f"--gpus={GPUS[rule]}"}, argv
+            else:
+                assert not gpu_flags, argv
+                assert not any(f.startswith("--cpus-per-gpu") for f in flags(argv)), argv
+    (train,) = jobs["train"]
+    assert f"--cpus-per-gpu={per_rule['train']['cpus_per_gpu']}" in train
+    assert not any(a.startswith("--cpus-per-task") for a in train), train
+    for rule in ("extract", "evaluate", *CPU_RULES):
+        assert any(a.startswith("--cpus-per-task=") for a in jobs[rule][0]), jobs[rule]
