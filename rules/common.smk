@@ -62,6 +62,7 @@ CHECKPOINT_WEIGHTS = results("checkpoint/model.safetensors")
 CHECKPOINT_CARD = results("checkpoint/README.md")
 CHECKPOINT_REPORT = results("reports/checkpoint.json")
 ACCEPTANCE = results("reports/acceptance.json")
+VLLM_ACCEPTANCE = results("reports/vllm_acceptance.json")
 SUMMARY = results("reports/summary.json")
 SUMMARY_MD = results("reports/summary.md")
 PLOT_ACCEPTANCE = results("reports/acceptance.png")
@@ -98,12 +99,19 @@ PROVENANCE = {
     "train": provenance("checkpoint", "train"),
     "check_checkpoint": provenance("reports", "check_checkpoint"),
     "evaluate": provenance("reports", "evaluate"),
+    "serve_check": provenance("reports", "serve_check"),
 }
+
+
+def serve_check_enabled():
+    return config["serve_check"]["enabled"]
 
 
 def provenance_records():
     jobs = dict(PROVENANCE)
     extract = jobs.pop("extract")
+    if not serve_check_enabled():
+        jobs.pop("serve_check")
     return [*jobs.values(), *expand(extract, shard=range(N_SHARDS))]
 
 
@@ -150,11 +158,13 @@ def shard_manifests():
 
 def gpu_records():
     jobs = [f"extract-{i}" for i in range(N_SHARDS)] + ["train", "evaluate"]
+    jobs += ["serve_check"] if serve_check_enabled() else []
     return {job: gpu_record(job) for job in jobs}
 
 
 def benchmarks():
     jobs = ["verifier", "prepare", "vocab", "train", "evaluate"]
+    jobs += ["serve_check"] if serve_check_enabled() else []
     jobs += [f"extract-{i}" for i in range(N_SHARDS)]
     return {job: benchmark(job) for job in jobs}
 
@@ -171,6 +181,7 @@ def report_inputs(wildcards):
         "gpu": list(gpu_records().values()),
         "benchmarks": list(benchmarks().values()),
         "provenance": provenance_records(),
+        "vllm_acceptance": [VLLM_ACCEPTANCE] if serve_check_enabled() else [],
         "script": script("report.py"),
     }
 
@@ -184,4 +195,5 @@ def final_targets():
         CHECKPOINT_WEIGHTS,
         *shards(),
         *shard_manifests(),
+        *([VLLM_ACCEPTANCE] if serve_check_enabled() else []),
     ]

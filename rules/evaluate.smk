@@ -52,3 +52,40 @@ rule evaluate:
         " --max-prompts {params.max_prompts} --evaluate {params.evaluate:q}"
         " --threads {threads} --out {output.acceptance}"
         " --provenance {output.provenance} > {log} 2>&1"
+
+
+rule serve_check:
+    """vLLM with the verifier and the draft (eagle3): acceptance from /metrics, text vs greedy."""
+    input:
+        verifier=VERIFIER,
+        config=CHECKPOINT_CONFIG,
+        weights=CHECKPOINT_WEIGHTS,
+        prompts=data_file("eval"),
+        script=script("serve_check.py"),
+        gpu_job=script("gpu_job.py"),
+    output:
+        acceptance=VLLM_ACCEPTANCE,
+        gpu=gpu_record("serve_check"),
+        provenance=PROVENANCE["serve_check"],
+    log:
+        log("serve_check"),
+    benchmark:
+        benchmark("serve_check")
+    conda:
+        "../envs/vllm.yaml"
+    threads: 4
+    resources:
+        gpu=config["serve_check"]["gpus"],
+    params:
+        evaluate=section("evaluate"),
+        engine=section("vllm"),
+        python=config["vllm"]["python"],
+        max_prompts=config["data"]["eval"]["max_prompts"] or 0,
+        server_log=log("serve_check-server"),
+    shell:
+        "python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
+        " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
+        " --prompts {input.prompts} --max-prompts {params.max_prompts}"
+        " --evaluate {params.evaluate:q} --vllm {params.engine:q}"
+        " --server-log {params.server_log} --out {output.acceptance}"
+        " --provenance {output.provenance} > {log} 2>&1"

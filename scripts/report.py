@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--gpu", type=Path, nargs="+", required=True, help="gpu/<job>.json records")
     p.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="benchmarks/<job>.tsv")
     p.add_argument("--provenance", type=Path, nargs="*", default=[], help="provenance-<job>.json")
+    p.add_argument("--vllm-acceptance", type=Path, nargs="*", default=[], help="serve_check result")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-markdown", type=Path, required=True)
     p.add_argument("--out-plot-acceptance", type=Path, required=True)
@@ -51,6 +52,7 @@ def main() -> None:
         gpu_records={g.stem: g for g in a.gpu},
         benchmarks={b.stem: b for b in a.benchmarks if b.exists()},
         provenance=[read_json(p) for p in a.provenance],
+        vllm=read_json(a.vllm_acceptance[0]) if a.vllm_acceptance else None,
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
         report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)

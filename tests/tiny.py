@@ -87,8 +87,18 @@ def build_tokenizer(path: Path, template: str = CHATML):
     return fast
 
 
-def build_verifier(path: Path, seed: int = 0, layers: int = 8, template: str = CHATML) -> Path:
-    """A random LlamaForCausalLM (hidden 64) saved as safetensors with its tokenizer."""
+def build_verifier(
+    path: Path,
+    seed: int = 0,
+    layers: int = 8,
+    template: str = CHATML,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> Path:
+    """A random LlamaForCausalLM saved as safetensors with its tokenizer.
+
+    vLLM's CPU attention needs head_dim >= 32: use hidden=128, heads=2 for vLLM tests."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,11 +106,11 @@ def build_verifier(path: Path, seed: int = 0, layers: int = 8, template: str = C
     tokenizer = build_tokenizer(path, template)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
@@ -140,9 +150,12 @@ def write_config(
             "log_every": 1,
         },
         "evaluate": {"k": 3, "max_new_tokens": 12},
+        # vLLM's CPU attention needs head_dim >= 32 (the default tiny verifier has 16):
+        # tests/test_vllm.py turns it on with a vLLM-compatible tiny verifier.
+        "serve_check": {"enabled": False},
     }
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
+        if isinstance(value, dict) and isinstance(config.get(key), dict):  # merged, not replaced
             config[key] = {**config[key], **value}
         else:
             config[key] = value

