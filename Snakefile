@@ -16,6 +16,7 @@ report: "rules/report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/verifier.smk"
+include: "rules/regenerate.smk"
 include: "rules/data.smk"
 include: "rules/hidden_states.smk"
 include: "rules/vocab.smk"

@@ -135,6 +135,7 @@ def summarize(
     benchmarks: dict[str, Path],
     provenance: list[dict[str, Any]] = (),
     vllm: dict[str, Any] | None = None,
+    regenerated: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     gpu = gpu_memory_table(gpu_records)
     summary = {
@@ -169,6 +170,7 @@ def summarize(
         "disk_bytes": disk_usage(run),
         "provenance": provenance_table(provenance),
         "vllm": vllm_summary(vllm, acceptance),
+        "regenerated": regenerated,
     }
     summary["problems"] = problems_of(summary)
     summary["valid"] = not summary["problems"]

@@ -208,6 +208,18 @@ def acceptance_from_counters(
     }
 
 
+def engine_args(engine: dict[str, Any]) -> list[str]:
+    """Server flags from the config's vllm section."""
+    args = []
+    if engine.get("dtype"):
+        args += ["--dtype", engine["dtype"]]
+    if engine.get("max_model_len"):
+        args += ["--max-model-len", str(engine["max_model_len"])]
+    if engine.get("enforce_eager", True):
+        args.append("--enforce-eager")
+    return args
+
+
 def serve_command(verifier: str, checkpoint: str, k: int) -> str:
     """The command a user runs to serve the verifier with this draft."""
     spec = json.dumps({"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k})
@@ -245,14 +257,7 @@ def serve_check(
     """Acceptance of the draft as vLLM measures it, and a text check against no-draft greedy."""
     env = engine_env(engine.get("cpu_kvcache_gib", 1))
     spec = {"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k}
-    args = [
-        "--max-model-len",
-        str(engine["max_model_len"]),
-        "--speculative-config",
-        json.dumps(spec),
-    ]
-    if engine.get("enforce_eager", True):
-        args.append("--enforce-eager")
+    args = ["--speculative-config", json.dumps(spec), *engine_args(engine)]
     t0 = time.perf_counter()
     outputs: list[list[int]] = []
     with VllmServer(
@@ -273,7 +278,11 @@ def serve_check(
         verifier_path,
         [p["token_ids"] for p in prompts],
         max_new_tokens,
-        {"max_model_len": engine["max_model_len"], "enforce_eager": True},
+        {
+            "max_model_len": engine.get("max_model_len"),
+            "enforce_eager": True,
+            "dtype": engine.get("dtype") or "auto",
+        },
     )
     mismatched = [p["id"] for p, a, b in zip(prompts, outputs, reference, strict=True) if a != b]
     return {

@@ -48,6 +48,9 @@ def script(name):
 
 VERIFIER = results("verifier/verifier.json")
 VERIFIER_HF = results("verifier/hf")
+REGENERATED = results("regenerated/conversations.jsonl")
+REGENERATED_INFO = results("regenerated/regenerate.json")
+REGENERATE_WORK = results("regenerated/chunks")
 SAMPLES = results("prepared/samples.safetensors")
 SAMPLES_INFO = results("prepared/samples.json")
 SHARD = results("hidden_states/shard-{shard}.safetensors")
@@ -93,6 +96,7 @@ def provenance(directory, job):
 
 PROVENANCE = {
     "verifier": provenance("verifier", "verifier"),
+    "regenerate": provenance("regenerated", "regenerate"),
     "prepare": provenance("prepared", "prepare"),
     "extract": provenance("hidden_states", "extract-{shard}"),
     "vocab": provenance("vocab", "vocab"),
@@ -103,8 +107,25 @@ PROVENANCE = {
 }
 
 
+def vllm_python():
+    """The vLLM environment's interpreter (relative to the working directory, like scripts)."""
+    chosen = config["vllm"]["python"]
+    if chosen:
+        return chosen
+    return os.path.relpath(Path(workflow.basedir) / ".venv-vllm" / "bin" / "python")
+
+
 def serve_check_enabled():
     return config["serve_check"]["enabled"]
+
+
+def regenerate_enabled():
+    return config["regenerate"]["enabled"]
+
+
+def train_conversations(wildcards):
+    """prepare's conversations: the regenerated ones when data regeneration is on."""
+    return REGENERATED if regenerate_enabled() else data_file("train")
 
 
 def provenance_records():
@@ -112,6 +133,8 @@ def provenance_records():
     extract = jobs.pop("extract")
     if not serve_check_enabled():
         jobs.pop("serve_check")
+    if not regenerate_enabled():
+        jobs.pop("regenerate")
     return [*jobs.values(), *expand(extract, shard=range(N_SHARDS))]
 
 
@@ -159,12 +182,14 @@ def shard_manifests():
 def gpu_records():
     jobs = [f"extract-{i}" for i in range(N_SHARDS)] + ["train", "evaluate"]
     jobs += ["serve_check"] if serve_check_enabled() else []
+    jobs += ["regenerate"] if regenerate_enabled() else []
     return {job: gpu_record(job) for job in jobs}
 
 
 def benchmarks():
     jobs = ["verifier", "prepare", "vocab", "train", "evaluate"]
     jobs += ["serve_check"] if serve_check_enabled() else []
+    jobs += ["regenerate"] if regenerate_enabled() else []
     jobs += [f"extract-{i}" for i in range(N_SHARDS)]
     return {job: benchmark(job) for job in jobs}
 
@@ -182,6 +207,7 @@ def report_inputs(wildcards):
         "benchmarks": list(benchmarks().values()),
         "provenance": provenance_records(),
         "vllm_acceptance": [VLLM_ACCEPTANCE] if serve_check_enabled() else [],
+        "regenerated": [REGENERATED_INFO] if regenerate_enabled() else [],
         "script": script("report.py"),
     }
 

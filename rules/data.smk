@@ -2,7 +2,7 @@ rule prepare:
     """Tokenize conversations with the verifier's chat template; loss masks on assistant tokens."""
     input:
         verifier=VERIFIER,
-        train=data_file("train"),
+        train=train_conversations,
         eval=data_file("eval"),
         script=script("prepare.py"),
     output:

@@ -79,7 +79,7 @@ rule serve_check:
     params:
         evaluate=section("evaluate"),
         engine=section("vllm"),
-        python=config["vllm"]["python"],
+        python=vllm_python(),
         max_prompts=config["data"]["eval"]["max_prompts"] or 0,
         server_log=log("serve_check-server"),
     shell:
@@ -87,5 +87,6 @@ rule serve_check:
         " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
         " --prompts {input.prompts} --max-prompts {params.max_prompts}"
         " --evaluate {params.evaluate:q} --vllm {params.engine:q}"
-        " --server-log {params.server_log} --out {output.acceptance}"
+        " --vllm-python {params.python} --server-log {params.server_log}"
+        " --out {output.acceptance}"
         " --provenance {output.provenance} > {log} 2>&1"

@@ -22,7 +22,7 @@ rule report:
         " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
         " --gpu {input.gpu} --benchmarks {input.benchmarks} --provenance {input.provenance}"
-        " --vllm-acceptance {input.vllm_acceptance}"
+        " --vllm-acceptance {input.vllm_acceptance} --regenerated {input.regenerated}"
         " --out {output.summary} --out-markdown {output.markdown}"
         " --out-plot-acceptance {output.plot_acceptance} --out-plot-loss {output.plot_loss}"
         " --out-tables {output.tables}"

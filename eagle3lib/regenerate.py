@@ -1,0 +1,244 @@
+"""Regenerate assistant turns with the verifier, turn by turn, so the draft learns the
+verifier's own distribution (EAGLE-3 trains on the target model's responses).
+
+For every conversation the original assistant turns are dropped; each user turn is answered by
+the verifier given the regenerated history so far. Backends: ``hf`` (batched ``generate``:
+the same turn of many conversations at once, left-padded) and ``vllm`` (an OpenAI server on
+127.0.0.1, requests in parallel). Work is done in chunks of conversations written as they
+finish, so an interrupted job resumes with the missing chunks only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.data import InvalidRecord, normalize_conversation, read_records
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import atomic_path, read_json, sha256_json, write_json
+
+Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig:
+    backend: str = "hf"
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 16
+    concurrency: int = 8
+    chunk_size: int = 64
+
+
+def prompts_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The turns that drive regeneration: system and user turns (assistant turns are redone)."""
+    return [m for m in messages if m["role"] in ("system", "user")]
+
+
+def read_conversations(
+    path: Path, limit: int | None, allow_truncated: bool, on_invalid: str
+) -> list[dict[str, Any]]:
+    """The first ``limit`` usable conversations with at least one user turn."""
+    out = []
+    for lineno, record in read_records(path, allow_truncated):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            messages = normalize_conversation(record)
+        except InvalidRecord as exc:
+            if on_invalid == "error":
+                raise UserError(
+                    f"{path}:{lineno}: {exc}; fix it or set data.on_invalid_record: skip"
+                ) from None
+            continue
+        turns = prompts_of(messages)
+        if not any(m["role"] == "user" for m in turns):
+            continue
+        rid = str(record.get("id", lineno)) if isinstance(record, dict) else str(lineno)
+        out.append({"id": rid, "turns": turns})
+    if not out:
+        raise UserError(f"{path}: no conversation with a user turn to regenerate")
+    return out
+
+
+def regenerate_chunk(
+    conversations: list[dict[str, Any]],
+    render: Callable[[list[dict[str, str]]], list[int]],
+    decode: Callable[[list[int]], str],
+    generate: Generate,
+    max_length: int,
+) -> list[dict[str, Any]]:
+    """Answer every user turn of every conversation, turn index by turn index."""
+    histories: list[list[dict[str, str]]] = [[] for _ in conversations]
+    pending = [list(c["turns"]) for c in conversations]
+    stopped = [False] * len(conversations)
+    while True:
+        active, prompts = [], []
+        for i, turns in enumerate(pending):
+            if stopped[i]:
+                continue
+            # add the next system/user turns up to and including the next user turn
+            while turns and turns[0]["role"] == "system":
+                histories[i].append(turns.pop(0))
+            if not turns:
+                continue
+            histories[i].append(turns.pop(0))
+            ids = render(histories[i])
+            if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
+                histories[i].pop()
+                stopped[i] = True
+                continue
+            active.append(i)
+            prompts.append(ids)
+        if not active:
+            break
+        for i, new in zip(active, generate(prompts), strict=True):
+            histories[i].append({"role": "assistant", "content": decode(new)})
+    return [
+        {"id": c["id"], "messages": h}
+        for c, h in zip(conversations, histories, strict=True)
+        if any(m["role"] == "assistant" for m in h)
+    ]
+
+
+def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
+    """Batched greedy/sampled generation with the HF verifier (left padding)."""
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    torch.manual_seed(cfg.seed)
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: dict[int, list[int]] = {}
+        for start in range(0, len(order), cfg.batch_size):
+            batch = order[start : start + cfg.batch_size]
+            width = max(len(prompts[i]) for i in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                ids[r, width - len(prompts[i]) :] = torch.as_tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            with torch.inference_mode():
+                gen = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=cfg.max_new_tokens,
+                    do_sample=cfg.temperature > 0,
+                    temperature=cfg.temperature if cfg.temperature > 0 else None,
+                    top_p=cfg.top_p if cfg.temperature > 0 else None,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                )
+            for r, i in enumerate(batch):
+                results[i] = _until_eos(gen[r, width:].tolist(), eos)  # padding follows EOS
+        return [results[i] for i in range(len(prompts))]
+
+    return generate
+
+
+def _as_set(x) -> set:
+    if x is None:
+        return set()
+    return set(x) if isinstance(x, (list, tuple)) else {x}
+
+
+def _until_eos(tokens: list[int], eos) -> list[int]:
+    stops = _as_set(eos)
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
+    """Requests to a running vLLM server, ``cfg.concurrency`` at a time."""
+    from eagle3lib.serve import post_json
+
+    def one(prompt: list[int]) -> list[int]:
+        body = {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "seed": cfg.seed,
+            "return_token_ids": True,
+        }
+        return list(post_json(f"{server.url}/v1/completions", body)["choices"][0]["token_ids"])
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            return list(pool.map(one, prompts))
+
+    return generate
+
+
+def chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
+    for i in range(0, len(items), size):
+        yield i // size, items[i : i + size]
+
+
+def regenerate(
+    conversations: list[dict[str, Any]],
+    generate: Generate,
+    render,
+    decode,
+    cfg: RegenerateConfig,
+    max_length: int,
+    work_dir: Path,
+    fingerprint: dict[str, Any],
+    out_path: Path,
+    log=print,
+) -> dict[str, Any]:
+    """Regenerate chunk by chunk into ``work_dir`` (resumable), then write ``out_path``."""
+    marker = work_dir / "fingerprint.json"
+    digest = sha256_json(fingerprint)
+    if not (marker.exists() and read_json(marker).get("sha256") == digest):
+        shutil.rmtree(work_dir, ignore_errors=True)
+        work_dir.mkdir(parents=True)
+        write_json(marker, {"sha256": digest, "fingerprint": fingerprint})
+    t0 = time.perf_counter()
+    n_chunks = (len(conversations) + cfg.chunk_size - 1) // cfg.chunk_size
+    reused = 0
+    for index, part in chunks(conversations, cfg.chunk_size):
+        path = work_dir / f"chunk-{index:05d}.jsonl"
+        if path.exists():
+            reused += 1
+            log(f"regenerate: chunk {index + 1}/{n_chunks} already done")
+            continue
+        t = time.perf_counter()
+        records = regenerate_chunk(part, render, decode, generate, max_length)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        log(
+            f"regenerate: chunk {index + 1}/{n_chunks} ({len(part)} conversations) in {time.perf_counter() - t:.1f} s"
+        )
+    written = 0
+    with atomic_path(out_path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        for index in range(n_chunks):
+            text = (work_dir / f"chunk-{index:05d}.jsonl").read_text(encoding="utf-8")
+            fh.write(text)
+            written += text.count("\n")
+    return {
+        "conversations_in": len(conversations),
+        "conversations_out": written,
+        "chunks": n_chunks,
+        "chunks_reused": reused,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

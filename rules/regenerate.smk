@@ -1,0 +1,36 @@
+rule regenerate:
+    """Assistant turns rewritten by the verifier, turn by turn (hf or vllm backend)."""
+    input:
+        verifier=VERIFIER,
+        train=data_file("train"),
+        script=script("regenerate.py"),
+        gpu_job=script("gpu_job.py"),
+    output:
+        conversations=REGENERATED,
+        info=REGENERATED_INFO,
+        gpu=gpu_record("regenerate"),
+        provenance=PROVENANCE["regenerate"],
+    log:
+        log("regenerate"),
+    benchmark:
+        benchmark("regenerate")
+    conda:
+        "../envs/train.yaml"
+    threads: 4
+    resources:
+        gpu=config["regenerate"]["gpus"],
+    params:
+        data=prepare_section(),
+        regenerate=section("regenerate", drop=("gpus", "enabled")),
+        engine=section("vllm"),
+        python=vllm_python(),
+        work=REGENERATE_WORK,
+        server_log=log("regenerate-server"),
+    shell:
+        "python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
+        " python {input.script} --verifier {input.verifier} --train {input.train}"
+        " --data {params.data:q} --regenerate {params.regenerate:q} --vllm {params.engine:q}"
+        " --vllm-python {params.python} --work-dir {params.work}"
+        " --server-log {params.server_log} --threads {threads}"
+        " --out {output.conversations} --out-info {output.info}"
+        " --provenance {output.provenance} > {log} 2>&1"

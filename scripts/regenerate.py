@@ -1,0 +1,99 @@
+"""Regenerate the assistant turns of the training conversations with the verifier."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import _bootstrap  # noqa: F401
+from eagle3lib.errors import cli
+from eagle3lib.fileio import write_json
+
+
+@cli
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--verifier", type=Path, required=True, help="verifier.json")
+    p.add_argument("--train", type=Path, required=True, help="the original conversations")
+    p.add_argument("--data", required=True, help="the config's data section as JSON")
+    p.add_argument("--regenerate", required=True, help="the config's regenerate section as JSON")
+    p.add_argument("--vllm", required=True, help="the config's vllm section as JSON")
+    p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
+    p.add_argument("--work-dir", type=Path, required=True, help="finished chunks (resume)")
+    p.add_argument("--server-log", type=Path, required=True)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out-info", type=Path, required=True)
+    p.add_argument("--provenance", type=Path)
+    a = p.parse_args()
+
+    from eagle3lib import regenerate as rg
+    from eagle3lib.config import from_dict
+    from eagle3lib.data import check_chat_template
+    from eagle3lib.fileio import read_json
+    from eagle3lib.verifier import load_tokenizer
+
+    data = json.loads(a.data)
+    section = json.loads(a.regenerate)
+    cfg = from_dict(rg.RegenerateConfig, section)
+    engine = json.loads(a.vllm)
+    record = read_json(a.verifier)
+    tokenizer = load_tokenizer(record)
+    check_chat_template(tokenizer, str(a.train))
+    conversations = rg.read_conversations(
+        a.train,
+        data["train"].get("max_samples"),
+        data["train"].get("allow_truncated_json", False),
+        data.get("on_invalid_record", "error"),
+    )
+
+    def render(messages):
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return list(ids)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
+                   "data": data["train"], "max_length": data["max_length"]}  # fmt: skip
+    run = lambda generate: rg.regenerate(  # noqa: E731
+        conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
+        log=rg.log_stderr,
+    )  # fmt: skip
+    if cfg.backend == "vllm":
+        from eagle3lib import serve
+
+        args = ["--seed", str(cfg.seed), *serve.engine_args(engine)]
+        env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
+        with serve.VllmServer(
+            a.vllm_python, record["load_path"], args, a.server_log, env, engine["startup_timeout"]
+        ) as server:
+            stats = run(rg.vllm_generate(server, cfg))
+    else:
+        import torch
+
+        from eagle3lib.hidden_states import resolve_dtype
+        from eagle3lib.verifier import load_model
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        model = load_model(
+            record,
+            resolve_dtype("auto", device),
+            device_map={"": 0} if device.type == "cuda" else None,
+        )
+        stats = run(rg.hf_generate(model, tokenizer, cfg))
+    info = {**stats, "settings": section, "verifier": record["name"], "source": str(a.train.name)}
+    write_json(a.out_info, info)
+    print(json.dumps(info, indent=2), file=sys.stdout)
+    if a.provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.provenance, "regenerate", section, a.verifier, cfg.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+import json
+
+import pytest
+import tiny
+import torch
+
+from eagle3lib import regenerate as rg
+from eagle3lib.errors import UserError
+
+
+def fake_generate(prompts):
+    """Replies 'r<len(prompt)>' so each reply reveals the prompt the verifier saw."""
+    return [[len(p)] for p in prompts]
+
+
+def render(messages):
+    # one token per character of every turn: the prompt length encodes the history
+    return [0] * sum(len(m["content"]) + 1 for m in messages)
+
+
+def decode(ids):
+    return f"r{ids[0]}"
+
+
+def test_turns_are_answered_given_the_regenerated_history():
+    conversations = [
+        {
+            "id": "a",
+            "turns": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "hello"},
+                {"role": "user", "content": "again"},
+            ],
+        },
+        {"id": "b", "turns": [{"role": "user", "content": "x"}]},
+    ]
+    out = rg.regenerate_chunk(conversations, render, decode, fake_generate, max_length=1000)
+    a = out[0]["messages"]
+    assert [m["role"] for m in a] == ["system", "user", "assistant", "user", "assistant"]
+    assert a[2]["content"] == "r10"  # prompt = sys + hello
+    assert a[4]["content"] == f"r{10 + len('r10') + 1 + 6}"  # the regenerated reply is history
+    assert out[1]["messages"] == [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "r2"},
+    ]
+
+
+def test_a_prompt_past_max_length_stops_the_conversation():
+    conversations = [
+        {
+            "id": "a",
+            "turns": [{"role": "user", "content": "a" * 5}, {"role": "user", "content": "b" * 50}],
+        }
+    ]
+    out = rg.regenerate_chunk(conversations, render, decode, fake_generate, max_length=20)
+    assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"]
+
+
+def test_original_assistant_turns_are_dropped(tmp_path):
+    path = tiny.write_jsonl(tmp_path / "c.jsonl", tiny.conversations(3, fmt="sharegpt"))
+    convs = rg.read_conversations(path, None, False, "error")
+    assert len(convs) == 3
+    assert all(m["role"] == "user" for c in convs for m in c["turns"])
+    with pytest.raises(UserError, match="no conversation with a user turn"):
+        rg.read_conversations(tiny.write_jsonl(tmp_path / "e.jsonl", []), None, False, "error")
+
+
+def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokenizer):
+    cfg = rg.RegenerateConfig(max_new_tokens=8, batch_size=2)
+    generate = rg.hf_generate(verifier_model, tokenizer, cfg)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for t in ("Tell me about the model", "Why", "Write three numbers please now")
+    ]
+    batched = generate(prompts)
+    for prompt, new in zip(prompts, batched, strict=True):
+        with torch.no_grad():
+            ref = verifier_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        expected = rg._until_eos(
+            ref[0, len(prompt) :].tolist(), verifier_model.generation_config.eos_token_id
+        )
+        assert new == expected
+
+
+def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
+    convs = [
+        {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(10)
+    ]
+    cfg = rg.RegenerateConfig(chunk_size=3)
+    calls = []
+
+    def counting(prompts):
+        calls.append(len(prompts))
+        return fake_generate(prompts)
+
+    args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
+    first = rg.regenerate(convs, counting, *args, log=lambda m: None)
+    assert first["chunks"] == 4 and first["chunks_reused"] == 0 and sum(calls) == 10
+    (tmp_path / "work" / "chunk-00001.jsonl").unlink()  # as if killed during chunk 2
+    calls.clear()
+    again = rg.regenerate(convs, counting, *args, log=lambda m: None)
+    assert again["chunks_reused"] == 3 and calls == [3]
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == [str(i) for i in range(10)]
+    calls.clear()
+    changed = rg.regenerate(
+        convs,
+        counting,
+        render,
+        decode,
+        cfg,
+        1000,
+        tmp_path / "work",
+        {"a": 2},
+        tmp_path / "out.jsonl",
+        log=lambda m: None,
+    )
+    assert changed["chunks_reused"] == 0 and sum(calls) == 10  # other settings: nothing reused
