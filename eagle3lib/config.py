@@ -77,6 +77,8 @@ class ExtractConfig:
     dtype: str = "auto"
     batch_tokens: int = 16384
     gpus_per_job: int = 0
+    backend: str = "hf"
+    concurrency: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

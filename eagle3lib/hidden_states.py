@@ -544,6 +544,99 @@ def extract_samples(
     }
 
 
+def vllm_extraction_args(layer_ids: Sequence[int], storage: Path, cuda: bool) -> list[str]:
+    """Server flags for vLLM's extract_hidden_states method (what speculators launches)."""
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    if not cuda:
+        connector["kv_connector"] = "CpuHiddenStatesConnector"
+        connector["kv_connector_module_path"] = "eagle3lib.vllm_connector"
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(connector)]
+
+
+def extract_samples_vllm(
+    server,
+    samples: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    layout_hidden: int,
+    n_layers: int,
+    cfg,
+    shard_path: Path,
+    metadata: dict[str, str],
+) -> dict[str, Any]:
+    """Hidden states from a vLLM server (extract_hidden_states + the KV connector), one
+    request per sample, ``cfg.concurrency`` in flight, written into one shard in place."""
+    import concurrent.futures
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    from eagle3lib.serve import post_json
+
+    lengths = tuple(len(s) for s in samples)
+    layout = ShardLayout(lengths, n_layers, layout_hidden)
+    writer = ShardWriter(shard_path, layout, metadata)
+
+    def fetch(i: int) -> torch.Tensor:
+        body = {
+            "model": server.model,
+            "prompt": samples[i].tolist(),
+            "max_tokens": 1,
+            "return_token_ids": True,
+        }
+        out = post_json(f"{server.url}/v1/completions", body)
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise UserError(
+                "vLLM returned no hidden_states_path: is the extraction connector configured?"
+            )
+        with open(path + ".lock") as lock:
+            fcntl.flock(
+                lock, fcntl.LOCK_SH
+            )  # the connector holds LOCK_EX until the file is written
+            data = load_file(path)
+        for leftover in (path, path + ".lock"):
+            Path(leftover).unlink(missing_ok=True)
+        if data["token_ids"].tolist() != samples[i].tolist():
+            raise UserError(f"vLLM hidden states of sample {i} belong to other tokens")
+        states = data["hidden_states"]
+        if tuple(states.shape) != (lengths[i], n_layers, layout_hidden):
+            raise UserError(f"vLLM returned states of shape {tuple(states.shape)} for sample {i}")
+        return states
+
+    t0 = time.perf_counter()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+            items = [(i, lengths[i]) for i in order]
+            futures = {i: pool.submit(fetch, i) for i in order}
+            for i in iter_progress(items, layout.tokens):
+                states = futures[i].result()
+                writer.put_batch([i], states[None], [lengths[i]])
+        writer.close(np.concatenate(samples), np.concatenate(masks))
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - t0
+    return {
+        "tokens": layout.tokens,
+        "padded_tokens": 0,
+        "seconds": seconds,
+        "tokens_per_s": layout.tokens / seconds if seconds else 0.0,
+        "write_seconds": writer.write_seconds,
+        "stall_seconds": writer.stall_seconds,
+        "valid": writer.valid,
+    }
+
+
 def check_against_single_forward(
     model, aux: Sequence[int], samples: Sequence[np.ndarray]
 ) -> dict[str, float]:
@@ -587,8 +680,13 @@ def extract_shard(
     record: dict[str, Any],
     shard_path: Path,
     manifest_path: Path,
+    engine: dict[str, Any] | None = None,
+    vllm_python: str | None = None,
 ) -> dict[str, Any]:
-    """Run the verifier over shard ``shard``'s samples and write the shard and its manifest."""
+    """Run the verifier over shard ``shard``'s samples and write the shard and its manifest.
+
+    ``extract.backend`` hf runs the HF forward here; vllm asks a vLLM server started with
+    ``vllm_python`` (and the config's ``vllm`` section as ``engine``)."""
     from eagle3lib.data import shard_range
     from eagle3lib.fileio import write_json
     from eagle3lib.verifier import identity, load_model
@@ -616,15 +714,50 @@ def extract_shard(
         "hidden_size": record["hidden_size"],
         "compute_dtype": str(dtype).removeprefix("torch."),
         "state_dtype": "bfloat16",
+        "backend": cfg.backend,
     }
     digest = input_hash(np.concatenate(ids), np.concatenate(masks), offsets, spec)
 
-    # gpus_per_job > 1 spreads the layers over the leased GPUs (a verifier bigger than one).
-    device_map = ("auto" if cfg.gpus_per_job > 1 else {"": 0}) if cuda else None
-    model = load_model(record, dtype, device_map=device_map)
-    stats = extract_samples(
-        model, ids, masks, aux, cfg, shard_path, {"format": SHARD_FORMAT, "input_hash": digest}
-    )
+    metadata = {"format": SHARD_FORMAT, "input_hash": digest}
+    if cfg.backend == "vllm":
+        from eagle3lib import serve
+
+        storage = shard_path.parent / f".vllm-{shard_path.stem}"
+        args = [
+            *vllm_extraction_args(layer_ids, storage.resolve(), cuda),
+            *serve.engine_args(engine or {}),
+        ]
+        args += [
+            "--dtype",
+            str(dtype).removeprefix("torch."),
+            "--max-model-len",
+            str(max(lengths) + 8),
+        ]
+        if cfg.gpus_per_job > 1:
+            args += ["--tensor-parallel-size", str(cfg.gpus_per_job)]
+        env = serve.engine_env((engine or {}).get("cpu_kvcache_gib", 1))
+        log_path = shard_path.parent / f"vllm-server-{shard_path.stem}.log"
+        try:
+            with serve.VllmServer(vllm_python, record["load_path"], args, log_path, env) as server:
+                stats = extract_samples_vllm(
+                    server,
+                    ids,
+                    masks,
+                    record["hidden_size"],
+                    len(layer_ids),
+                    cfg,
+                    shard_path,
+                    metadata,
+                )
+        finally:
+            import shutil
+
+            shutil.rmtree(storage, ignore_errors=True)
+    else:
+        # gpus_per_job > 1 spreads the layers over the leased GPUs (a verifier bigger than one).
+        device_map = ("auto" if cfg.gpus_per_job > 1 else {"": 0}) if cuda else None
+        model = load_model(record, dtype, device_map=device_map)
+        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata)
     rejected = [
         {"id": sample_ids[start + i], "reason": "non-finite hidden states"}
         for i in np.flatnonzero(stats.pop("valid") == 0).tolist()

@@ -115,6 +115,14 @@ def vllm_python():
     return os.path.relpath(Path(workflow.basedir) / ".venv-vllm" / "bin" / "python")
 
 
+def extract_engine():
+    """The vllm section and interpreter for a vllm extraction backend; nothing for hf, so that
+    vLLM settings never re-run an HF extraction."""
+    if config["extract"]["backend"] != "vllm":
+        return {"engine": "{}", "python": "none"}
+    return {"engine": section("vllm"), "python": vllm_python()}
+
+
 def serve_check_enabled():
     return config["serve_check"]["enabled"]
 

@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--shard", type=int, required=True)
     p.add_argument("--extract", required=True, help="the config's extract section as JSON")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--vllm", default="{}", help="the config's vllm section (vllm backend)")
+    p.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment")
     p.add_argument("--out-shard", type=Path, required=True)
     p.add_argument("--out-manifest", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
@@ -43,6 +45,8 @@ def main() -> None:
         read_record(a.verifier),
         a.out_shard,
         a.out_manifest,
+        engine=json.loads(a.vllm),
+        vllm_python=a.vllm_python,
     )
     if a.provenance:
         from eagle3lib import provenance

