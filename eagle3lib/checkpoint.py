@@ -163,23 +163,12 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
         if k != v:
             problems.append("d2t/t2d missing although draft_vocab_size != verifier vocab")
     else:
-        targets = torch.arange(len(d2t)) + d2t
-        if dtypes.get("d2t") != "I64" or dtypes.get("t2d") != "BOOL":
-            problems.append(
-                f"d2t/t2d dtypes {dtypes.get('d2t')}/{dtypes.get('t2d')}, expected I64/BOOL"
-            )
-        if len(d2t) != k or len(t2d) != v:
-            problems.append(
-                f"d2t has {len(d2t)} entries (expected {k}), t2d {len(t2d)} (expected {v})"
-            )
-        elif int(t2d.sum()) != k:
-            problems.append(f"t2d marks {int(t2d.sum())} tokens, expected {k}")
-        elif (
-            targets.min() < 0 or targets.max() >= v or not bool((targets[1:] > targets[:-1]).all())
-        ):
-            problems.append("d2t does not map draft ids to increasing, in-range verifier ids")
-        elif not torch.equal(torch.nonzero(t2d).flatten(), targets):
-            problems.append("d2t and t2d disagree")
+        from eagle3lib.vocab import check as check_vocab
+
+        try:
+            check_vocab(d2t, t2d, k, v)
+        except ValueError as exc:
+            problems.append(str(exc))
 
     if not problems:
         try:

@@ -66,7 +66,8 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
         return
     is_jsonl = ".jsonl" in path.suffixes or not stripped.startswith("[")
     if is_jsonl:
-        for lineno, line in enumerate(text.splitlines(), 1):
+        # split on newlines only: JSON strings may hold U+2028 and other line separators
+        for lineno, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -169,7 +170,8 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+def render_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
     )
@@ -199,10 +201,10 @@ def supervised_spans(
             seen_user = True
         if message["role"] != "assistant" or not seen_user:
             continue
-        prompt = _render(tokenizer, messages[:j], add_generation_prompt=True)
+        prompt = render_ids(tokenizer, messages[:j], add_generation_prompt=True)
         if stop_at is not None and len(prompt) >= stop_at:
             break
-        full = _render(tokenizer, messages[: j + 1], add_generation_prompt=False)
+        full = render_ids(tokenizer, messages[: j + 1], add_generation_prompt=False)
         if full[: len(prompt)] != prompt:
             raise InvalidRecord(
                 "chat template is not prefix-stable",
@@ -361,8 +363,28 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
     return prompts
 
 
+def eos_ids(*values) -> set[int]:
+    """End-of-sequence ids from tokenizer/generation-config fields (an id, a list, or None)."""
+    out: set[int] = set()
+    for value in values:
+        if isinstance(value, (list, tuple, set)):
+            out.update(int(v) for v in value)
+        elif value is not None:
+            out.add(int(value))
+    return out
+
+
+def until_eos(tokens: list[int], eos: set[int], limit: int | None = None) -> list[int]:
+    """``tokens`` cut after the first end-of-sequence id (and to ``limit`` tokens)."""
+    tokens = tokens[:limit] if limit is not None else tokens
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
 def prompt_token_ids(tokenizer, text: str) -> list[int]:
-    return _render(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+    return render_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 # ---- the prepared-samples artifact -------------------------------------------------------

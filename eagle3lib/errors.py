@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -14,11 +15,18 @@ class UserError(Exception):
     """Bad input or configuration. The message is shown to the user as one line."""
 
 
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
 def cli(main: F) -> F:
     """Run ``main``; turn a UserError into ``error: <message>`` on stderr and exit status 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        # SIGTERM (how snakemake and schedulers stop jobs) unwinds like an exception, so
+        # servers are stopped and half-written files removed on the way out.
+        signal.signal(signal.SIGTERM, _terminate)
         try:
             return main(*args, **kwargs)
         except UserError as exc:

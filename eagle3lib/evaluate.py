@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.hidden_states import Capture
+from eagle3lib.report import fmt
 
 
 class Drafter:
@@ -26,6 +28,7 @@ class Drafter:
     def __init__(self, draft):
         self.draft = draft
         self.d2t = getattr(draft, "d2t", None)
+        self.dtype = next(draft.parameters()).dtype  # the verifier's states are cast to it
 
     def to_verifier_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:
@@ -67,15 +70,7 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int
         eos_token_id=sorted(eos) or None,
         pad_token_id=sorted(eos)[0] if eos else 0,
     )
-    return trim(out[0, len(prompt) :].tolist(), max_new_tokens, eos)
-
-
-def trim(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    tokens = tokens[:max_new_tokens]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    return until_eos(out[0, len(prompt) :].tolist(), eos, max_new_tokens)
 
 
 @torch.no_grad()
@@ -100,7 +95,7 @@ def speculative_decode(
     accepted_per_step: list[int] = []
     out: list[int] = [int(tokens[-1])]
     while len(out) < max_new_tokens and out[-1] not in eos:
-        proposals = drafter.propose(aux.to(torch.float32), tokens, k)
+        proposals = drafter.propose(aux.to(drafter.dtype), tokens, k)
         block = torch.tensor([[int(tokens[-1]), *proposals]], device=device)
         logits = model(input_ids=block, past_key_values=cache, use_cache=True).logits[0]
         verified = logits.argmax(-1).tolist()  # verifier's token after each block position
@@ -114,7 +109,7 @@ def speculative_decode(
         cache.crop(len(tokens) + a)
         tokens = torch.cat([tokens, torch.tensor(new, device=device)])
         out += new
-    return {"tokens": trim(out, max_new_tokens, eos), "accepted": accepted_per_step}
+    return {"tokens": until_eos(out, eos, max_new_tokens), "accepted": accepted_per_step}
 
 
 def acceptance_stats(accepted: list[int], k: int) -> dict[str, Any]:
@@ -135,11 +130,7 @@ def evaluate(
     """Acceptance over all prompts, and whether the text equals verifier-only greedy output."""
     from eagle3lib.verifier import decoder_layers
 
-    eos = {
-        t
-        for t in [tokenizer.eos_token_id, *(_as_list(model.generation_config.eos_token_id))]
-        if t is not None
-    }
+    eos = eos_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
     capture = Capture(decoder_layers(model), aux_layers)
     drafter = Drafter(draft)
     per_prompt, all_accepted, mismatches = [], [], 0
@@ -169,7 +160,7 @@ def evaluate(
             )
             log(
                 f"evaluate: prompt {n}/{len(prompts)} id={prompt['id']} "
-                f"acceptance_length={stats['acceptance_length']:.3f} match={match}"
+                f"acceptance_length={fmt(stats['acceptance_length'])} match={match}"
             )
             if n == 1:
                 per_prompt[-1]["text"] = tokenizer.decode(
@@ -187,9 +178,3 @@ def evaluate(
         "seconds": round(time.perf_counter() - t0, 2),
         "per_prompt": per_prompt,
     }
-
-
-def _as_list(x) -> list:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -29,6 +29,9 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         tmp = Path(name)
     try:
         yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, (0o777 if directory else 0o666) & ~umask)  # mkstemp/mkdtemp made it private
         if not directory:
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
@@ -65,6 +68,22 @@ def sha256_bytes(data: bytes) -> str:
 def sha256_json(obj: Any) -> str:
     """Hash of the canonical JSON form of ``obj``."""
     return sha256_bytes(canonical_json(obj).encode())
+
+
+def fingerprinted_dir(path: str | os.PathLike, fingerprint: Any) -> bool:
+    """Keep the work folder ``path`` (resumable state) only if the same inputs made it.
+
+    Returns True when it was kept; otherwise it is emptied and stamped with ``fingerprint``.
+    """
+    path = Path(path)
+    marker = path / "fingerprint.json"
+    digest = sha256_json(fingerprint)
+    if marker.exists() and read_json(marker).get("sha256") == digest:
+        return True
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    write_json(marker, {"sha256": digest, "fingerprint": fingerprint})
+    return False
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

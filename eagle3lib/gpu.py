@@ -2,11 +2,13 @@
 readings before and after the job, so validation can fail a job that left memory behind.
 
 Snakemake assigns no device ids to local jobs (snakemake issue #281), so every GPU rule runs
-its command through ``python -m eagle3lib.gpu run``: it takes ``--gpus N`` free devices from the
-pool (``CUDA_VISIBLE_DEVICES`` if set, else all NVML devices) with non-blocking ``flock``s that
-the kernel releases even on SIGKILL, records NVML used memory per leased device, runs the
-command with ``CUDA_VISIBLE_DEVICES`` set to the lease, then reads NVML again after the
-command's process group is gone. On a machine without an NVIDIA driver the record says so.
+its command through ``scripts/gpu_job.py``: it takes ``--gpus N`` free devices from the pool
+(``CUDA_VISIBLE_DEVICES`` if set, else all NVML devices) with non-blocking ``flock``s that the
+kernel releases even on SIGKILL, records NVML used memory per leased device, runs the command
+in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again
+once the command's main process has exited: anything it left running in its group is still
+alive then, so its memory shows; such processes are recorded and stopped before the lease is
+released. On a machine without an NVIDIA driver the record says so.
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def lease(n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5) -> Ite
         return
     if n > len(pool):
         raise SystemExit(f"error: job needs {n} GPU(s), the pool has {len(pool)} ({list(pool)})")
-    if os.environ.get("SLURM_JOB_ID"):  # the allocation is ours alone: no locks needed
-        yield list(pool[:n])
-        return
+    if os.environ.get("SLURM_JOB_ID"):
+        # Device ids are relative to the SLURM allocation: lock them per allocation, so that
+        # other allocations on the same node (same ids, other GPUs) never contend.
+        lock_dir = lock_dir / f"slurm-{os.environ['SLURM_JOB_ID']}"
     lock_dir.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()  # lock files may sit on a filesystem shared by several hosts
     while True:
@@ -123,6 +126,29 @@ def leaked(
     ]
 
 
+def _raise_exit(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop_group(pgid: int, grace: float = 30.0) -> None:
+    """SIGTERM a process group, wait for it, SIGKILL what is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path) -> int:
     """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record."""
     with lease(gpus, device_pool() if gpus else [], lock_dir) as devices:
@@ -132,23 +158,21 @@ def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path)
         before = nvml_snapshot(devices or None)
         t0 = time.time()
         proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+        previous = signal.signal(signal.SIGTERM, _raise_exit)  # snakemake stops jobs with TERM
         try:
             rc = proc.wait()
         except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)
+            stop_group(proc.pid)  # the lease is released only once the job is gone
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         # Anything the job started and left running (a server, a worker) holds memory:
-        # record it, read NVML while it still runs, then stop it.
-        try:
-            os.killpg(proc.pid, 0)
-            stragglers = True
-        except ProcessLookupError:
-            stragglers = False
+        # record it, read NVML while it still runs, then stop it before the lease ends.
+        stragglers = group_alive(proc.pid)
         time.sleep(1.0 if gpus else 0.0)
         after = nvml_snapshot(devices or None)
         if stragglers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            stop_group(proc.pid)
     if rc != 0:
         return rc
     write_json(

@@ -21,10 +21,12 @@ manifest) records what made it and the file's size and sha256.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -92,10 +94,11 @@ class Capture:
     def _last_hook(self, _module, _args, output):
         self.states["last"] = output[0] if isinstance(output, tuple) else output
 
-    def stacked(self) -> torch.Tensor:
-        """[batch, seq, len(aux)+1, hidden]; the stored references are dropped."""
+    def stacked(self, device: torch.device | None = None) -> torch.Tensor:
+        """[batch, seq, len(aux)+1, hidden] on ``device`` (default: where the first captured
+        layer ran; layers may sit on several GPUs with device_map). References are dropped."""
         parts = [self.states[k] for k in self.aux] + [self.states["last"]]
-        device = parts[0].device  # layers may sit on several GPUs (device_map)
+        device = device or parts[0].device
         out = torch.stack([p.to(device, non_blocking=True) for p in parts], dim=2)
         self.states.clear()
         return out
@@ -140,7 +143,7 @@ def forward_batch(
         attention_mask=mask.to(device, non_blocking=True),
         use_cache=False,
     )
-    return capture.stacked(), lengths
+    return capture.stacked(device), lengths  # on the input device, where the writer's stream is
 
 
 def forward_states(
@@ -220,11 +223,31 @@ class ShardWriter:
         self.sync_every = sync_every
         self._atomic = atomic_path(path)
         self.tmp = self._atomic.__enter__()
+        self.fd = -1
         header = layout.header(metadata)
         self.data_start = len(header)
-        self.fd = os.open(self.tmp, os.O_WRONLY)
-        os.ftruncate(self.fd, self.data_start + layout.data_bytes())
-        os.pwrite(self.fd, header, 0)
+        size = self.data_start + layout.data_bytes()
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY)
+            try:  # reserve the blocks now: a full disk fails here, not hours later
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise UserError(
+                        f"{path}: cannot reserve {size:,} bytes for the shard ({exc.strerror}); "
+                        "free disk space or write results elsewhere, then rerun"
+                    ) from None
+                os.ftruncate(self.fd, size)
+            os.pwrite(self.fd, header, 0)
+            self._setup_staging(device, max_batch_rows, buffers)
+        except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
+            self._atomic.__exit__(*sys.exc_info())
+            raise
+
+    def _setup_staging(self, device, max_batch_rows: int, buffers: int) -> None:
+        layout = self.layout
         self.cuda = device is not None and device.type == "cuda"
         self._free: queue.Queue = queue.Queue()
         if self.cuda:
@@ -579,20 +602,12 @@ def extract_samples_vllm(
 
     from safetensors.torch import load_file
 
-    from eagle3lib.serve import post_json
-
     lengths = tuple(len(s) for s in samples)
     layout = ShardLayout(lengths, n_layers, layout_hidden)
     writer = ShardWriter(shard_path, layout, metadata)
 
     def fetch(i: int) -> torch.Tensor:
-        body = {
-            "model": server.model,
-            "prompt": samples[i].tolist(),
-            "max_tokens": 1,
-            "return_token_ids": True,
-        }
-        out = post_json(f"{server.url}/v1/completions", body)
+        out = server.completion(samples[i].tolist(), max_tokens=1)
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise UserError(
@@ -613,18 +628,26 @@ def extract_samples_vllm(
         return states
 
     t0 = time.perf_counter()
+    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency)
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            order = sorted(range(len(samples)), key=lambda i: -lengths[i])
-            items = [(i, lengths[i]) for i in order]
-            futures = {i: pool.submit(fetch, i) for i in order}
-            for i in iter_progress(items, layout.tokens):
-                states = futures[i].result()
-                writer.put_batch([i], states[None], [lengths[i]])
+        # At most 2 x concurrency samples in flight or waiting to be written: memory stays
+        # bounded whatever the shard's size.
+        window = 2 * cfg.concurrency
+        futures = {i: pool.submit(fetch, i) for i in order[:window]}
+        for n, i in enumerate(iter_progress([(i, lengths[i]) for i in order], layout.tokens)):
+            if n + window < len(order):
+                nxt = order[n + window]
+                futures[nxt] = pool.submit(fetch, nxt)
+            states = futures.pop(i).result()
+            writer.put_batch([i], states[None], [lengths[i]])
         writer.close(np.concatenate(samples), np.concatenate(masks))
     except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
         writer.abort()
         raise
+    finally:
+        pool.shutdown(wait=True)
     seconds = time.perf_counter() - t0
     return {
         "tokens": layout.tokens,
@@ -689,7 +712,7 @@ def extract_shard(
     ``vllm_python`` (and the config's ``vllm`` section as ``engine``)."""
     from eagle3lib.data import shard_range
     from eagle3lib.fileio import write_json
-    from eagle3lib.verifier import identity, load_model
+    from eagle3lib.verifier import device_map_for_job, identity, load_model
 
     start, stop = shard_range(len(samples), shard, cfg.shards)
     if stop <= start:
@@ -723,19 +746,16 @@ def extract_shard(
         from eagle3lib import serve
 
         storage = shard_path.parent / f".vllm-{shard_path.stem}"
+        engine = {
+            **(engine or {}),
+            "dtype": str(dtype).removeprefix("torch."),  # the same numerics as the hf backend
+            "max_model_len": max(lengths) + 8,
+        }
         args = [
             *vllm_extraction_args(layer_ids, storage.resolve(), cuda),
-            *serve.engine_args(engine or {}),
+            *serve.engine_args(engine),
         ]
-        args += [
-            "--dtype",
-            str(dtype).removeprefix("torch."),
-            "--max-model-len",
-            str(max(lengths) + 8),
-        ]
-        if cfg.gpus_per_job > 1:
-            args += ["--tensor-parallel-size", str(cfg.gpus_per_job)]
-        env = serve.engine_env((engine or {}).get("cpu_kvcache_gib", 1))
+        env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
         log_path = shard_path.parent / f"vllm-server-{shard_path.stem}.log"
         try:
             with serve.VllmServer(vllm_python, record["load_path"], args, log_path, env) as server:
@@ -754,9 +774,8 @@ def extract_shard(
 
             shutil.rmtree(storage, ignore_errors=True)
     else:
-        # gpus_per_job > 1 spreads the layers over the leased GPUs (a verifier bigger than one).
-        device_map = ("auto" if cfg.gpus_per_job > 1 else {"": 0}) if cuda else None
-        model = load_model(record, dtype, device_map=device_map)
+        # several leased GPUs: the layers are spread over them (a verifier bigger than one)
+        model = load_model(record, dtype, device_map=device_map_for_job())
         stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata)
     rejected = [
         {"id": sample_ids[start + i], "reason": "non-finite hidden states"}

@@ -13,16 +13,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.data import InvalidRecord, normalize_conversation, read_records
+from eagle3lib.data import InvalidRecord, eos_ids, normalize_conversation, read_records, until_eos
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import atomic_path, read_json, sha256_json, write_json
+from eagle3lib.fileio import atomic_path, fingerprinted_dir
 
 Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
 
@@ -142,24 +141,10 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
                     eos_token_id=eos,
                 )
             for r, i in enumerate(batch):
-                results[i] = _until_eos(gen[r, width:].tolist(), eos)  # padding follows EOS
+                results[i] = until_eos(gen[r, width:].tolist(), eos_ids(eos))  # padding follows
         return [results[i] for i in range(len(prompts))]
 
     return generate
-
-
-def _as_set(x) -> set:
-    if x is None:
-        return set()
-    return set(x) if isinstance(x, (list, tuple)) else {x}
-
-
-def _until_eos(tokens: list[int], eos) -> list[int]:
-    stops = _as_set(eos)
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[: i + 1]
-    return tokens
 
 
 def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
@@ -203,12 +188,7 @@ def regenerate(
     log=print,
 ) -> dict[str, Any]:
     """Regenerate chunk by chunk into ``work_dir`` (resumable), then write ``out_path``."""
-    marker = work_dir / "fingerprint.json"
-    digest = sha256_json(fingerprint)
-    if not (marker.exists() and read_json(marker).get("sha256") == digest):
-        shutil.rmtree(work_dir, ignore_errors=True)
-        work_dir.mkdir(parents=True)
-        write_json(marker, {"sha256": digest, "fingerprint": fingerprint})
+    fingerprinted_dir(work_dir, fingerprint)
     t0 = time.perf_counter()
     n_chunks = (len(conversations) + cfg.chunk_size - 1) // cfg.chunk_size
     reused = 0

@@ -10,6 +10,11 @@ from eagle3lib.fileio import read_json
 from eagle3lib.gpu import leaked
 
 
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A figure for people; 'n/a' when there was nothing to measure (no verifier step)."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def gpu_memory_table(records: dict[str, Path]) -> dict[str, Any]:
     """Per GPU job: NVML readings before/after, or the honest reason there are none."""
     table = {}
@@ -114,6 +119,8 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
             f"serve_check: vLLM with the draft decoded {len(vllm['mismatched_prompts'])} prompt(s) "
             "differently from vLLM without it"
         )
+    if summary["acceptance_length"] is None:
+        problems.append("acceptance: no verifier step was measured (raise evaluate.max_new_tokens)")
     if not summary["text_matches_verifier"]:
         problems.append(
             f"acceptance: {summary['acceptance']['mismatched_prompts']} prompt(s) decoded "
@@ -189,7 +196,7 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         "| result | value |",
         "|---|---|",
         f"| valid | {'yes' if summary['valid'] else 'NO'} |",
-        f"| acceptance length (k={summary['k']}) | {acc['acceptance_length']:.3f} |",
+        f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
         f"| per-position acceptance | {per_pos} |",
         f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
         f"| text equals verifier-only greedy | {summary['text_matches_verifier']} |",
@@ -205,7 +212,7 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         lines += [
             "## vLLM",
             "",
-            f"Acceptance length in vLLM {v['vllm_version']}: {v['acceptance_length']:.3f} "
+            f"Acceptance length in vLLM {v['vllm_version']}: {fmt(v['acceptance_length'])} "
             f"(per position {', '.join(f'{p:.3f}' for p in v['per_position_acceptance'])}); "
             f"offline evaluator vs vLLM: {diff:+.1%}."
             if diff is not None

@@ -77,6 +77,17 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[st
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         raise UserError(f"vLLM answered {exc.code} to {url}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise UserError(f"vLLM at {url} did not answer: {exc}") from None
+
+
+def _die_with_parent() -> None:
+    """In the server's process: receive SIGTERM when the job that started it dies, even by
+    SIGKILL (Linux prctl PR_SET_PDEATHSIG), so a killed job never leaves a server behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class VllmServer:
@@ -109,21 +120,32 @@ class VllmServer:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
         self._log = log
         self.proc = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,  # its own group: stopped as a whole, workers included
+            preexec_fn=_die_with_parent,
         )
+        try:
+            self._wait_healthy()
+        except BaseException:  # also Ctrl-C or SIGTERM during the wait
+            self._stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self._stop()
                 raise UserError(
                     f"vLLM server exited with code {self.proc.returncode} while starting; "
                     f"see {self.log_path}: {self.log_tail()}"
                 )
             with contextlib.suppress(OSError):
                 if _get(f"{self.url}/health", timeout=2.0)[0] == 200:
-                    return self
+                    return
             time.sleep(1.0)
-        self._stop()
         raise UserError(
             f"vLLM server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}"
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -23,12 +22,9 @@ from speculators.train.data import BaseDataset
 from speculators.train.trainer import Trainer
 
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import read_json, sha256_json, write_json
+from eagle3lib.fileio import fingerprinted_dir, read_json, sha256_json
 from eagle3lib.hidden_states import Shard, check_manifest, check_shard, open_shard
 from eagle3lib.verifier import identity
-
-STATE_CONFIG = "eagle3lib_train_config.json"
-
 
 # ---- data ------------------------------------------------------------------------------------
 
@@ -53,7 +49,8 @@ def open_verified_shards(
             stat and stat.st_mtime_ns,
             manifest["file"]["sha256"],
         )
-        check_shard(path, manifest, full_hash=key not in _VERIFIED)
+        # one full hash per shard and process; under DDP only rank 0 reads the shards to hash
+        check_shard(path, manifest, full_hash=key not in _VERIFIED and distributed_rank() == 0)
         _VERIFIED.add(key)
         shards.append(open_shard(path))
     return shards
@@ -327,6 +324,7 @@ class StreamingTrainer(Trainer):
 
     def train_epoch(self, epoch, *, step_callback=None):  # noqa: C901 - mirrors speculators'
         from speculators.train import trainer as st
+        from speculators.train.recovery import RECOVERY_METADATA_KEY
         from speculators.train.utils import normalize_counted_metrics
 
         if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
@@ -349,6 +347,7 @@ class StreamingTrainer(Trainer):
         interval_wait = self.data_wait_seconds
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
+            gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
             interval_tokens += int((batch["document_ids"] != -1).sum())
             with torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype):
                 _draft_tokens, loss, metrics = self.model(
@@ -432,7 +431,9 @@ def resolve_runtime(cfg) -> dict[str, Any]:
 
         has_triton = True
     if loss == "auto":
-        loss = "fused" if cuda and has_triton else "eager"
+        # speculators' fused loss crashes under torch < 2.13's compiler (pytorch issue 177600)
+        new_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+        loss = "fused" if cuda and has_triton and new_torch else "eager"
     elif loss == "fused" and not (cuda and has_triton):
         raise UserError("config key train.loss: the fused loss needs a GPU and Triton; use eager")
     # bf16 autocast on GPU; plain fp32 on CPU (CPUs without bf16 units are ~2x slower in bf16).
@@ -474,19 +475,6 @@ def build_draft(
         draft_attn_impl=attention,
         trust_remote_code=record["trust_remote_code"],
     )
-
-
-def prepare_state_dir(state_dir: Path, fingerprint: dict[str, Any]) -> bool:
-    """Keep ``state_dir`` (resume) only if it was made by the same inputs; return resumed?"""
-    marker = state_dir / STATE_CONFIG
-    digest = sha256_json(fingerprint)
-    if marker.exists() and read_json(marker).get("sha256") == digest:
-        return True
-    if state_dir.exists():
-        shutil.rmtree(state_dir)
-    state_dir.mkdir(parents=True)
-    write_json(marker, {"sha256": digest, "fingerprint": fingerprint})
-    return False
 
 
 def train(
@@ -532,7 +520,7 @@ def train(
         "runtime": {"attention": runtime["attention"], "loss": runtime["loss"]},
     }
     rank = setup_distributed()
-    resumed = prepare_state_dir(state_dir, fingerprint) if rank == 0 else None
+    resumed = fingerprinted_dir(state_dir, fingerprint) if rank == 0 else None
     barrier()
 
     set_seed(cfg.seed)
@@ -643,6 +631,12 @@ def setup_distributed() -> int:
     return sd._rank  # noqa: SLF001
 
 
+def distributed_rank() -> int:
+    from speculators.train import distributed as sd
+
+    return sd.get_rank()
+
+
 def world_size() -> int:
     from speculators.train import distributed as sd
 
@@ -684,12 +678,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def loss_curves(metrics: list[dict[str, Any]]) -> dict[str, list]:
-    """Per-step training loss and per-epoch validation loss/accuracy from the recorded logs."""
-    steps, losses, val = [], [], []
+    """Per-step training loss and per-epoch validation loss/accuracy from the recorded logs.
+
+    A resumed run logs again the steps after its last checkpoint: the later record wins."""
+    train_loss, val = {}, {}
     for m in metrics:
         if "train" in m and "loss" in m["train"]:
-            steps.append(m.get("global_step"))
-            losses.append(m["train"]["loss"])
+            train_loss[m.get("global_step")] = m["train"]["loss"]
         if "val" in m:
-            val.append({"epoch": m.get("epoch"), **m["val"]})
-    return {"step": steps, "train_loss": losses, "val": val}
+            val[m.get("epoch")] = {"epoch": m.get("epoch"), **m["val"]}
+    steps = sorted(train_loss)
+    return {
+        "step": steps,
+        "train_loss": [train_loss[s] for s in steps],
+        "val": [val[e] for e in sorted(val)],
+    }

@@ -160,11 +160,6 @@ def materialize(
     }
 
 
-def read_record(path: str | os.PathLike) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
-
-
 def identity(record: dict[str, Any]) -> dict[str, Any]:
     """The fields that decide what the verifier computes (hashed into shard manifests)."""
     return {
@@ -195,6 +190,15 @@ def load_model(record: dict[str, Any], dtype, device_map=None):
     )
     model.eval()
     return model
+
+
+def device_map_for_job():
+    """HF device_map for the GPUs this job leased: none on CPU, one GPU, or spread over all."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return "auto" if torch.cuda.device_count() > 1 else {"": 0}
 
 
 def decoder_layers(model):

@@ -39,18 +39,19 @@ def check(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_siz
     targets = torch.arange(len(d2t)) + d2t
     if len(d2t) != draft_vocab_size or len(t2d) != vocab_size:
         raise ValueError(
-            f"vocab map sizes {len(d2t)}/{len(t2d)} != {draft_vocab_size}/{vocab_size}"
+            f"d2t has {len(d2t)} entries (expected {draft_vocab_size}), "
+            f"t2d {len(t2d)} (expected {vocab_size})"
         )
     if d2t.dtype != torch.long or t2d.dtype != torch.bool:
-        raise ValueError(f"vocab map dtypes {d2t.dtype}/{t2d.dtype}, expected int64/bool")
+        raise ValueError(f"d2t/t2d dtypes {d2t.dtype}/{t2d.dtype}, expected int64/bool")
     if int(t2d.sum()) != draft_vocab_size:
-        raise ValueError("t2d does not mark exactly draft_vocab_size tokens")
+        raise ValueError(f"t2d marks {int(t2d.sum())} tokens, expected {draft_vocab_size}")
     if (
         not bool((targets[1:] > targets[:-1]).all())
         or targets.min() < 0
         or targets.max() >= vocab_size
     ):
-        raise ValueError("d2t targets are not strictly increasing verifier ids")
+        raise ValueError("d2t does not map draft ids to increasing, in-range verifier ids")
     if not torch.equal(torch.nonzero(t2d).flatten(), targets):
         raise ValueError("d2t and t2d disagree")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json, write_json
-from eagle3lib.verifier import read_record
+from eagle3lib.fileio import read_json as read_record
 
 
 @cli

@@ -9,7 +9,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import EvaluateConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json, write_json
-from eagle3lib.verifier import read_record
+from eagle3lib.fileio import read_json as read_record
 
 
 @cli
@@ -42,9 +42,7 @@ def main() -> None:
     prompts = data.read_eval_prompts(a.prompts, a.max_prompts or None)
     for prompt in prompts:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
-    model = verifier.load_model(
-        record, dtype, device_map={"": device} if device.type == "cuda" else None
-    )
+    model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
     draft = checkpoint.load_draft(a.config.parent, record["load_path"], "sdpa", dtype).to(device)
     result = evaluate.evaluate(
         model,

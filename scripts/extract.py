@@ -10,7 +10,7 @@ from eagle3lib.config import ExtractConfig, from_json
 from eagle3lib.data import load_samples
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json
-from eagle3lib.verifier import read_record
+from eagle3lib.fileio import read_json as read_record
 
 
 @cli

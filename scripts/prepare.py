@@ -8,8 +8,9 @@ import _bootstrap  # noqa: F401
 from eagle3lib import data
 from eagle3lib.config import PrepareConfig, from_dict
 from eagle3lib.errors import cli
+from eagle3lib.fileio import read_json as read_record
 from eagle3lib.fileio import write_json
-from eagle3lib.verifier import load_tokenizer, read_record
+from eagle3lib.verifier import load_tokenizer
 
 
 @cli

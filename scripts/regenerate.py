@@ -29,7 +29,7 @@ def main() -> None:
 
     from eagle3lib import regenerate as rg
     from eagle3lib.config import from_dict
-    from eagle3lib.data import check_chat_template
+    from eagle3lib.data import check_chat_template, render_ids
     from eagle3lib.fileio import read_json
     from eagle3lib.verifier import load_tokenizer
 
@@ -48,10 +48,7 @@ def main() -> None:
     )
 
     def render(messages):
-        ids = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=False
-        )
-        return list(ids)
+        return render_ids(tokenizer, messages, add_generation_prompt=True)
 
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -75,7 +72,7 @@ def main() -> None:
         import torch
 
         from eagle3lib.hidden_states import resolve_dtype
-        from eagle3lib.verifier import load_model
+        from eagle3lib.verifier import device_map_for_job, load_model
 
         if a.threads:
             torch.set_num_threads(a.threads)
@@ -83,7 +80,7 @@ def main() -> None:
         model = load_model(
             record,
             resolve_dtype("auto", device),
-            device_map={"": 0} if device.type == "cuda" else None,
+            device_map=device_map_for_job(),
         )
         stats = run(rg.hf_generate(model, tokenizer, cfg))
     info = {**stats, "settings": section, "verifier": record["name"], "source": str(a.train.name)}

@@ -13,7 +13,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
-from eagle3lib.verifier import read_record
+from eagle3lib.fileio import read_json as read_record
 
 
 def parse():

@@ -7,6 +7,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import UserError, cli
 from eagle3lib.fileio import atomic_path, read_json
+from eagle3lib.report import fmt
 
 
 @cli
@@ -24,7 +25,7 @@ def main() -> None:
         )
     with atomic_path(a.out) as tmp:
         tmp.write_text(
-            f"valid: acceptance_length={summary['acceptance_length']:.4f} k={summary['k']} "
+            f"valid: acceptance_length={fmt(summary['acceptance_length'], 4)} k={summary['k']} "
             f"checkpoint_valid={summary['checkpoint_valid']}\n"
         )
 

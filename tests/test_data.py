@@ -38,7 +38,7 @@ def test_loss_mask_covers_assistant_turns_and_end_of_turn_only(tokenizer):
         "One and two.<|im_end|>\n",
     ]
     # Nothing of the system/user turns nor the assistant header is supervised.
-    prompt = data._render(tokenizer, CHAT[:2], add_generation_prompt=True)
+    prompt = data.render_ids(tokenizer, CHAT[:2], add_generation_prompt=True)
     assert mask[: len(prompt)].sum() == 0
 
 

@@ -77,6 +77,8 @@ def test_speculative_output_equals_greedy_decoding(draft, verifier_model, tokeni
 class OracleDrafter:
     """Proposes the verifier's own greedy continuation: every proposal must be accepted."""
 
+    dtype = torch.float32
+
     def __init__(self, model):
         self.model = model
 
@@ -104,6 +106,8 @@ def test_aux_states_during_decoding_equal_a_full_forward(verifier_model, tokeniz
     seen = []
 
     class Recorder:
+        dtype = torch.float32
+
         def propose(self, aux, tokens, k):
             seen.append((aux.clone(), tokens.clone()))
             return [0] * k
@@ -120,3 +124,23 @@ def test_aux_states_during_decoding_equal_a_full_forward(verifier_model, tokeniz
         capture.remove()
     assert aux.shape == (len(tokens) - 1, 3 * 64)
     torch.testing.assert_close(aux, ref[:, :-1].flatten(1), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_evaluation_runs_the_draft_in_its_own_dtype(pipeline, verifier_model, tokenizer):
+    """The path a GPU takes (bf16 verifier and draft), here on CPU."""
+    import copy
+
+    draft = checkpoint.load_draft(
+        pipeline["checkpoint"], pipeline["record"]["load_path"], "sdpa", torch.bfloat16
+    )
+    model = copy.deepcopy(verifier_model).to(torch.bfloat16)
+    result = evaluate.evaluate(
+        model,
+        draft,
+        tokenizer,
+        prompts(tokenizer, 1),
+        EvaluateConfig(k=2, max_new_tokens=6),
+        AUX,
+        log=lambda m: None,
+    )
+    assert result["steps"] > 0 and result["k"] == 2

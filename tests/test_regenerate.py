@@ -5,6 +5,7 @@ import tiny
 import torch
 
 from eagle3lib import regenerate as rg
+from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 
 
@@ -86,9 +87,8 @@ def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokeni
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        expected = rg._until_eos(
-            ref[0, len(prompt) :].tolist(), verifier_model.generation_config.eos_token_id
-        )
+        eos = eos_ids(verifier_model.generation_config.eos_token_id)
+        expected = until_eos(ref[0, len(prompt) :].tolist(), eos)
         assert new == expected
 
 
