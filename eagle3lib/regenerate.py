@@ -149,19 +149,11 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
 
 def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
     """Requests to a running vLLM server, ``cfg.concurrency`` at a time."""
-    from eagle3lib.serve import post_json
 
     def one(prompt: list[int]) -> list[int]:
-        body = {
-            "model": server.model,
-            "prompt": prompt,
-            "max_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "seed": cfg.seed,
-            "return_token_ids": True,
-        }
-        return list(post_json(f"{server.url}/v1/completions", body)["choices"][0]["token_ids"])
+        return server.complete(
+            prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
+        )
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:

@@ -182,19 +182,21 @@ class VllmServer:
             raise UserError(f"vLLM /metrics answered {status}")
         return text
 
-    def complete(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy completion of token ids; returns the generated token ids."""
-        out = post_json(
-            f"{self.url}/v1/completions",
-            {
-                "model": self.model,
-                "prompt": prompt_ids,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "return_token_ids": True,
-            },
-        )
-        return list(out["choices"][0]["token_ids"])
+    def completion(self, prompt_ids: list[int], max_tokens: int, **sampling) -> dict[str, Any]:
+        """/v1/completions of token ids (greedy unless ``sampling`` says otherwise)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            **sampling,
+        }
+        return post_json(f"{self.url}/v1/completions", body)
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, **sampling) -> list[int]:
+        """The generated token ids of a completion."""
+        return list(self.completion(prompt_ids, max_tokens, **sampling)["choices"][0]["token_ids"])
 
 
 _COUNTER = re.compile(
@@ -251,7 +253,15 @@ def engine_args(engine: dict[str, Any]) -> list[str]:
         args.append("--enforce-eager")
     if on_cpu():
         args += ["--distributed-executor-backend", "uni"]
+    elif leased_gpus() > 1:  # a verifier spread over the job's GPUs
+        args += ["--tensor-parallel-size", str(leased_gpus())]
     return args
+
+
+def leased_gpus() -> int:
+    """GPUs this job holds (the lease sets CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return len([d for d in visible.split(",") if d.strip()]) if visible else 0
 
 
 def serve_command(verifier: str, checkpoint: str, k: int) -> str:
@@ -261,13 +271,13 @@ def serve_command(verifier: str, checkpoint: str, k: int) -> str:
 
 
 def reference_greedy(
-    model: str, prompts: list[list[int]], max_tokens: int, engine_args: dict[str, Any]
+    model: str, prompts: list[list[int]], max_tokens: int, engine_kwargs: dict[str, Any]
 ) -> list[list[int]]:
     """vLLM's own greedy decoding without a draft (an in-process engine, no server)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, distributed_executor_backend="uni", **engine_args)
+    llm = LLM(model=model, distributed_executor_backend="uni", **engine_kwargs)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=max_tokens),
