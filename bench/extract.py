@@ -69,16 +69,28 @@ def build_model(shape: dict, gpus: int, dtype):
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
             with torch.device(device):
                 model = LlamaForCausalLM(config)
-        else:  # a verifier bigger than one GPU: build on the host, then dispatch layer by layer
+        else:  # a verifier bigger than one GPU: placed layer by layer over the GPUs
             from accelerate import dispatch_model, infer_auto_device_map
 
-            model = LlamaForCausalLM(config)
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config)
             size = sum(p.numel() * p.element_size() for p in model.parameters())
+            # A forced split: no GPU may hold more than its share (+10 %) of the weights.
             budget = {i: int(size / gpus * 1.1) for i in range(gpus)}
             device_map = infer_auto_device_map(
                 model, max_memory=budget, no_split_module_classes=["LlamaDecoderLayer"]
             )
+            # Host memory only (no slow host-side random init); weights are drawn on the GPUs.
+            model.to_empty(device="cpu")
+            rotary = type(model.model.rotary_emb)
+            model.model.rotary_emb = rotary(config=config)  # its buffers are computed, not drawn
             model = dispatch_model(model, device_map=device_map)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.fill_(1.0)
+                    else:
+                        param.normal_(0.0, config.initializer_range)
     finally:
         torch.set_default_dtype(default)
     return model.eval()

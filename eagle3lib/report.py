@@ -106,13 +106,20 @@ def disk_usage(run: str, root: Path = Path("results")) -> dict[str, int]:
     return usage
 
 
-def problems_of(summary: dict[str, Any]) -> list[str]:
-    """Everything that makes the build invalid, one line each."""
-    problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
-    for job, entry in summary["gpu_memory"].items():
+def gpu_problems(gpu_memory: dict[str, Any]) -> list[str]:
+    """GPU jobs that left device memory or processes behind, one line each naming the job."""
+    problems = []
+    for job, entry in gpu_memory.items():
         problems += [f"{job}: {leak}" for leak in entry["leaks"]]
         if entry["stray_processes"]:
             problems.append(f"{job}: left processes running after it finished")
+    return problems
+
+
+def problems_of(summary: dict[str, Any]) -> list[str]:
+    """Everything that makes the build invalid, one line each."""
+    problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
+    problems += gpu_problems(summary["gpu_memory"])
     vllm = summary.get("vllm")
     if vllm is not None and not vllm["text_matches_verifier"]:
         problems.append(
