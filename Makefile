@@ -48,7 +48,7 @@ endif
 	touch $@
 
 demo: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs $(SNAKEMAKE_ARGS)
+	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs --rerun-incomplete $(SNAKEMAKE_ARGS)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

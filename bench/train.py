@@ -22,6 +22,7 @@ bench_train.json to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -220,7 +221,10 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         val_fraction=0.02,
         loader_workers=0 if name == "ours" else args.workers,
         loss="eager" if args.eager_loss else "auto",
+        fsdp=args.fsdp,
     )
+    if args.log_every:  # for comparing loss curves (a host sync per logged step)
+        cfg = dataclasses.replace(cfg, log_every=args.log_every)
     clock = StepClock(args.warmup, args.steps, args.profile_steps)
     tokens_box = {}
 
@@ -260,8 +264,15 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         )
         dist.all_reduce(both)
         tokens, seconds = int(both[0]), float(both[1]) / processes
+    curve = None
+    if args.log_every:
+        curves = train.loss_curves(train.read_metrics(state / "metrics.jsonl"))
+        curve = {"step": curves["step"], "train_loss": curves["train_loss"]}
+    kind = "fsdp" if args.fsdp else "ddp"
     return {
-        "variant": name + (f"_ddp{processes}" if processes > 1 else ""),
+        "variant": name + (f"_{kind}{processes}" if processes > 1 else ""),
+        "total_seq_len": args.total_seq_len,
+        "loss_curve": curve,
         "processes": processes,
         "optimizer": optimizer,
         "steps_timed": args.steps - args.warmup,
@@ -301,6 +312,10 @@ def main() -> None:
     )
     p.add_argument(
         "--eager-loss", action="store_true", help="torch 2.11: the fused loss breaks compile"
+    )
+    p.add_argument("--fsdp", action="store_true", help="shard the draft over the ranks (FSDP2)")
+    p.add_argument(
+        "--log-every", type=int, default=None, help="log the loss every N steps (loss curves)"
     )
     p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench-train"))
     args = p.parse_args()
@@ -350,13 +365,16 @@ def main() -> None:
         summary["speedup_vs_speculators"] = round(
             by["ours"]["tokens_per_s"] / by["speculators_fastest"]["tokens_per_s"], 3
         )
-    name = "bench_train" + (f"_ddp{results[0]['processes']}" if results[0]["processes"] > 1 else "")
+    kind = "fsdp" if args.fsdp else "ddp"
+    name = "bench_train" + (
+        f"_{kind}{results[0]['processes']}" if results[0]["processes"] > 1 else ""
+    )
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     if args.baseline and results[0]["processes"] > 1:
         single = json.loads(Path(args.baseline).read_text())
         one = next(r for r in single["results"] if r["variant"] == "ours")["tokens_per_s"]
         eff = results[0]["tokens_per_s"] / (results[0]["processes"] * one)
-        tag = f"{results[0]['processes']}x{device_tag()}"
+        tag = f"{results[0]['processes']}x{device_tag()}" + (".fsdp" if args.fsdp else "")
         print(f"train.{tag}.tokens_per_s = {results[0]['tokens_per_s']}")
         print(f"train.{tag}.scaling_efficiency = {eff:.3f}")
     print(f"{'variant':22s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s}")

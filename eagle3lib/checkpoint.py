@@ -8,7 +8,6 @@ A checkpoint is a folder with ``config.json`` (speculators' Eagle3SpeculatorConf
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,20 @@ def absolute_paths(obj: Any, where: str = "") -> list[str]:
     return found
 
 
+def save_bf16(src: Path, dst: Path) -> None:
+    """Copy a safetensors file with its floating-point tensors in bf16 (integers unchanged)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    tensors = {
+        name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()
+    }
+    save_file(tensors, str(dst), metadata=metadata)
+
+
 def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]:
     """Copy speculators' final epoch into ``out_dir`` with a portable verifier reference."""
     config = json.loads((epoch_dir / "config.json").read_text())
@@ -49,9 +62,13 @@ def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]
     bad = absolute_paths(config)
     if bad:
         raise UserError(f"checkpoint config would carry machine paths: {', '.join(bad)}")
+    # Training state is saved in fp32 (train.save_state_losslessly); the checkpoint is bf16.
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "bfloat16"
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_dir / "model.safetensors") as tmp:
-        shutil.copyfile(epoch_dir / "model.safetensors", tmp)
+        save_bf16(epoch_dir / "model.safetensors", tmp)
     with atomic_path(out_dir / "config.json") as tmp:
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return config
@@ -63,10 +80,33 @@ def load_config(checkpoint: Path):
     return Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
 
 
+def check_readable(checkpoint: Path) -> None:
+    """Raise a one-line UserError if config.json or model.safetensors is missing, unparsable or
+    truncated (safetensors checks that its header's offsets cover the file exactly)."""
+    from safetensors import safe_open
+
+    redo = f"delete {checkpoint} and rerun the workflow to retrain it"
+    config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"
+    try:
+        json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise UserError(f"{config_path}: unreadable checkpoint config ({detail}); {redo}") from None
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            list(f.keys())
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{weights_path}: unreadable checkpoint weights ({detail}; truncated?); {redo}"
+        ) from None
+
+
 def load_draft(checkpoint: Path, verifier_load_path: str, attention: str, dtype: torch.dtype):
     """Reload with speculators; the verifier's embeddings/norm/lm_head come from a local copy."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    check_readable(checkpoint)
     config = load_config(checkpoint)
     config.speculators_config.verifier.name_or_path = verifier_load_path
     config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
@@ -84,6 +124,9 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     from safetensors import safe_open
     from speculators.models.eagle3 import Eagle3DraftModel
 
+    from eagle3lib import verifier
+
+    verifier.load_config(record)  # a custom-code verifier's config class, for speculators
     problems: list[str] = []
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "problems": problems}
     config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"

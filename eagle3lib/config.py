@@ -46,7 +46,10 @@ def resolve_data_path(spec: str, key: str) -> Path:
         return resolve_package_path(spec, key)
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"config key {key}: file {spec!r} does not exist")
+        raise UserError(
+            f"config key {key}: file {spec!r} does not exist; fix the path (relative paths "
+            "start at the working directory) or use package:<module>/<file>"
+        )
     return path
 
 
@@ -70,6 +73,29 @@ class PrepareConfig:
     allow_truncated_json: bool = False
 
 
+def aux_layer_errors(aux_layers: Any) -> list[str]:
+    """What is wrong with extract.aux_layers before the verifier's depth is known."""
+    if aux_layers is None or not isinstance(aux_layers, list):
+        return []
+    key = "config key extract.aux_layers"
+    if not aux_layers:
+        return [f"{key}: empty list; give at least one layer id, or null for the default"]
+    duplicates = sorted({k for k in aux_layers if aux_layers.count(k) > 1})
+    negative = [k for k in aux_layers if isinstance(k, int) and k < 0]
+    errors = []
+    if duplicates:
+        errors.append(
+            f"{key}: duplicate layer id(s) {duplicates} in {aux_layers}; list each layer once, "
+            "or use null for speculators' default"
+        )
+    if negative:
+        errors.append(
+            f"{key}: negative layer id(s) {negative}; use ids from 0 (the embeddings' output) "
+            "to the verifier's num_hidden_layers - 1"
+        )
+    return errors
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtractConfig:
     shards: int = 1
@@ -79,6 +105,11 @@ class ExtractConfig:
     gpus_per_job: int = 0
     backend: str = "hf"
     concurrency: int = 8
+
+    def __post_init__(self):
+        errors = aux_layer_errors(self.aux_layers)
+        if errors:
+            raise UserError(errors[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +133,8 @@ class TrainConfig:
     val_fraction: float = 0.1
     seed: int = 42
     max_steps: int | None = None
+    checkpoint_freq: float = 1.0
+    fsdp: bool = False
     log_every: int = 10
     loader_workers: int = 0
     attention: str = "auto"
@@ -122,7 +155,8 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     import jsonschema
     import yaml
 
-    schema = yaml.safe_load(Path(schema_path).read_text())
+    schema_path = Path(schema_path)
+    schema = yaml.safe_load(schema_path.read_text())
     validator = jsonschema.Draft202012Validator(schema)
     messages = []
     for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.path))):
@@ -135,8 +169,27 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
                 messages.append(
                     f"config key {full}: unknown key; allowed here: {', '.join(allowed)}"
                 )
-        elif error.validator == "required":
-            messages.append(f"config key {where or '<top level>'}: {error.message}")
         else:
-            messages.append(f"config key {where or '<top level>'}: {error.message}")
+            remedy = _REMEDIES.get(str(error.validator), "fix the value")
+            messages.append(
+                f"config key {where or '<top level>'}: {error.message}; {remedy} "
+                f"(see {schema_path.name})"
+            )
+    if not messages and isinstance(config.get("extract"), dict):
+        messages += aux_layer_errors(config["extract"].get("aux_layers"))
     return messages
+
+
+# What to do about a schema violation, by the JSON-schema keyword that failed.
+_REMEDIES = {
+    "type": "give a value of that type",
+    "enum": "use one of the listed values",
+    "required": "add it",
+    "minimum": "use a larger value",
+    "exclusiveMinimum": "use a larger value",
+    "maximum": "use a smaller value",
+    "exclusiveMaximum": "use a smaller value",
+    "minLength": "give a non-empty value",
+    "minItems": "give more items",
+    "pattern": "use only the allowed characters",
+}

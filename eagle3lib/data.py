@@ -48,7 +48,20 @@ class InvalidRecord(Exception):
 
 
 def _open_text(path: Path) -> str:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(
+            f"{path}: cannot read the file ({exc.strerror}); check the path in the config"
+        ) from None
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; a cut file is EOFError
+            raise UserError(
+                f"{path}: not a complete gzip file ({exc or 'truncated'}); re-compress it, or "
+                "drop the .gz suffix if it is plain text"
+            ) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -104,7 +117,10 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
             return
         if not first:
             if text[pos] != ",":
-                raise UserError(f"{path}:{line_of(pos)}: expected ',' between array items")
+                raise UserError(
+                    f"{path}:{line_of(pos)}: invalid JSON (expected ',' between array items); "
+                    "add the missing comma or fix the record before it"
+                )
             pos = skip.match(text, pos + 1).end()
         first = False
         start = pos
@@ -186,6 +202,19 @@ def check_chat_template(tokenizer, where: str) -> None:
         )
 
 
+# What to do when every sample was dropped for this reason (the "no usable samples" error).
+DROP_REMEDIES = {
+    "too_long": "raise data.max_length or set data.truncation: truncate",
+    "prompt_exceeds_max_length": "raise data.max_length (the prompts alone fill it)",
+    "no_supervised_tokens": (
+        "the chat template renders no assistant tokens (loss mask all zero) or too few: use a "
+        "template that renders assistant replies, or lower data.min_supervised_tokens"
+    ),
+    "no_assistant_turn": "give every conversation an assistant reply after a user turn",
+    "eval_prompt_overlap": "the training data repeats the eval prompts: use other data.eval",
+}
+
+
 def supervised_spans(
     tokenizer, messages: list[dict[str, str]], stop_at: int | None = None
 ) -> list[tuple[list[int], int, int]]:
@@ -254,7 +283,7 @@ def prepare_samples(
     tokenizer, path: Path, cfg, exclude_prompts: set[str] | None = None
 ) -> PreparedSamples:
     """Read conversations, build samples with loss masks, count what was dropped and why."""
-    check_chat_template(tokenizer, str(path))
+    check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(path))
     exclude_prompts = exclude_prompts or set()
     dropped: Counter = Counter()
     ids, all_ids, all_masks = [], [], []
@@ -323,9 +352,13 @@ def prepare_samples(
     }
     if not ids:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "no records"
+        remedy = DROP_REMEDIES.get(
+            max(dropped, key=dropped.get) if dropped else "",
+            "check the data format and the verifier's chat template",
+        )
         raise UserError(
             f"{path}: no usable training samples ({records} records read; dropped {reasons}); "
-            "check the data format and the verifier's chat template"
+            f"{remedy}"
         )
     return PreparedSamples(ids, all_ids, all_masks, freq, summary)
 
@@ -402,7 +435,11 @@ def save_prepared(prepared: PreparedSamples, samples_path: Path, vocab_size: int
     freq = np.zeros(vocab_size, dtype=np.int64)
     for token, count in prepared.token_freq.items():
         if token >= vocab_size:
-            raise UserError(f"token id {token} is outside the verifier vocab ({vocab_size})")
+            raise UserError(
+                f"{samples_path}: token id {token} is outside the verifier vocab ({vocab_size}); "
+                "the tokenizer has more tokens than the model's config.json vocab_size: fix "
+                "the verifier folder"
+            )
         freq[token] = count
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate(prepared.input_ids).astype(np.int32)),
@@ -434,8 +471,14 @@ class Samples:
 def load_samples(path: Path) -> Samples:
     from safetensors.numpy import load_file
 
-    t = load_file(str(path))
-    return Samples(t["input_ids"], t["loss_mask"], t["offsets"], t["token_freq"])
+    try:
+        t = load_file(str(path))
+        return Samples(t["input_ids"], t["loss_mask"], t["offsets"], t["token_freq"])
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, a missing tensor
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{path}: unreadable prepared samples ({detail}); delete it and rerun the prepare rule"
+        ) from None
 
 
 def shard_range(n_samples: int, shard: int, n_shards: int) -> tuple[int, int]:

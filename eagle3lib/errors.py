@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import signal
 import sys
@@ -9,6 +10,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable[..., object])
+
+# A write that fails for want of space: the disk, the quota, or a file size limit.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class UserError(Exception):
@@ -31,6 +35,17 @@ def cli(main: F) -> F:
             return main(*args, **kwargs)
         except UserError as exc:
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            where = exc.filename or "results"
+            print(
+                f"error: {where}: {exc.strerror}; free disk space (or raise the quota) or "
+                "point the results elsewhere, then rerun",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]

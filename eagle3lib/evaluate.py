@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from eagle3lib.data import eos_ids, until_eos
-from eagle3lib.hidden_states import Capture
+from eagle3lib.hidden_states import Capture, input_device
 from eagle3lib.report import fmt
 
 
@@ -61,7 +61,7 @@ class Drafter:
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding with the verifier (HF generate)."""
-    device = next(model.parameters()).device
+    device = input_device(model)  # a multimodal verifier's first parameter may be its vision tower
     out = model.generate(
         torch.tensor([prompt], device=device),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
@@ -86,7 +86,7 @@ def speculative_decode(
     """Greedy chain speculative decoding of one prompt; per-step acceptance counts."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([prompt], device=device)
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
@@ -106,7 +106,8 @@ def speculative_decode(
         accepted_per_step.append(a)
         new = proposals[:a] + [verified[a]]
         aux = torch.cat([aux, states[: a + 1]])  # states of x_n, p_1..p_a are correct
-        cache.crop(len(tokens) + a)
+        if a < k:  # drop the rejected proposals (a negative crop removes that many)
+            cache.crop(a - k)
         tokens = torch.cat([tokens, torch.tensor(new, device=device)])
         out += new
     return {"tokens": until_eos(out, eos, max_new_tokens), "accepted": accepted_per_step}

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eagle3lib.errors import DISK_FULL
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator[Path]:
@@ -38,12 +40,40 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         if directory and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL and exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # name the file
         raise
+
+
+def remove_stale_temps(path: str | os.PathLike) -> None:
+    """Delete what a killed writer of ``path`` left (its ``.tmp-*`` siblings, which may hold
+    disk space reserved for a whole shard). Only for outputs one job owns, as Snakemake's are."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def size_mismatch(path: Path, manifest_path: Path) -> str | None:
+    """Why a built file differs from its manifest's ``file.bytes`` (truncated, replaced), or
+    None; a cheap check for planning time (the sha256 is compared where the file is read)."""
+    if not (path.exists() and manifest_path.exists()):
+        return None  # not built, or half built: Snakemake builds it anyway
+    try:
+        expected = json.loads(manifest_path.read_text())["file"]["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{manifest_path}: unreadable manifest"
+    size = path.stat().st_size
+    if size != expected:
+        return f"{path}: {size} bytes, its manifest says {expected}"
+    return None
 
 
 def canonical_json(obj: Any) -> str:

@@ -527,14 +527,14 @@ def extract_samples(
     metadata: dict[str, str],
 ) -> dict[str, Any]:
     """Forward ``samples`` through ``model`` in length-sorted batches and write one shard."""
-    from eagle3lib.verifier import decoder_layers, text_config
+    from eagle3lib.verifier import decoder_layers, text_config, text_decoder
 
     device = input_device(model)
     lengths = tuple(len(s) for s in samples)
     layout = ShardLayout(lengths, len(aux) + 1, text_config(model.config).hidden_size)
     batches = length_batches(lengths, cfg.batch_tokens)
     padded = sum(len(b) * lengths[b[0]] for b in batches) - layout.tokens
-    decoder = model.get_decoder()
+    decoder = text_decoder(model)  # the language model alone: no vision tower, no LM head
     capture = Capture(decoder_layers(model), aux)
     writer = ShardWriter(
         shard_path,
@@ -665,12 +665,12 @@ def check_against_single_forward(
 ) -> dict[str, float]:
     """Batched capture vs a one-sample HF forward (``output_hidden_states``): the largest
     absolute difference and the relative L2 error over all aux slots of all samples."""
-    from eagle3lib.verifier import decoder_layers
+    from eagle3lib.verifier import decoder_layers, text_decoder
 
     device = input_device(model)
     capture = Capture(decoder_layers(model), aux)
     try:
-        batched = forward_states(model.get_decoder(), capture, list(samples), device)
+        batched = forward_states(text_decoder(model), capture, list(samples), device)
     finally:
         capture.remove()
     worst = 0.0
@@ -711,9 +711,11 @@ def extract_shard(
     ``extract.backend`` hf runs the HF forward here; vllm asks a vLLM server started with
     ``vllm_python`` (and the config's ``vllm`` section as ``engine``)."""
     from eagle3lib.data import shard_range
-    from eagle3lib.fileio import write_json
+    from eagle3lib.fileio import remove_stale_temps, write_json
     from eagle3lib.verifier import device_map_for_job, identity, load_model
 
+    for output in (shard_path, manifest_path):
+        remove_stale_temps(output)  # a killed earlier attempt's half-written shard
     start, stop = shard_range(len(samples), shard, cfg.shards)
     if stop <= start:
         raise UserError(

@@ -157,7 +157,8 @@ def summarize(
         "verifier": {
             k: verifier[k]
             for k in ("name", "path", "num_hidden_layers", "hidden_size", "vocab_size")
-        },
+        }
+        | {k: verifier.get(k, False) for k in ("trust_remote_code", "custom_code")},
         "k": acceptance["k"],
         "acceptance_length": acceptance["acceptance_length"],
         "per_position_acceptance": acceptance["per_position_acceptance"],
@@ -191,6 +192,14 @@ def summarize(
     return summary
 
 
+def trust_note(verifier: dict[str, Any]) -> str:
+    """'' unless the verifier was loaded with trust_remote_code; then whether its code ran."""
+    if not verifier.get("trust_remote_code"):
+        return ""
+    ran = "its own code ran" if verifier.get("custom_code") else "it ships no custom code"
+    return f"; `verifier.trust_remote_code: true` ({ran})"
+
+
 def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
     acc = summary["acceptance"]
     per_pos = ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"])
@@ -198,7 +207,7 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         f"# EAGLE-3 draft build `{summary['run']}`",
         "",
         f"Verifier **{summary['verifier']['name']}** ({summary['verifier']['num_hidden_layers']} layers, "
-        f"hidden {summary['verifier']['hidden_size']}).",
+        f"hidden {summary['verifier']['hidden_size']}){trust_note(summary['verifier'])}.",
         "",
         "| result | value |",
         "|---|---|",

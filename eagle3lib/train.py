@@ -9,8 +9,11 @@ and 8 in reference/speculators.md) without touching its GPU path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -50,7 +53,15 @@ def open_verified_shards(
             manifest["file"]["sha256"],
         )
         # one full hash per shard and process; under DDP only rank 0 reads the shards to hash
-        check_shard(path, manifest, full_hash=key not in _VERIFIED and distributed_rank() == 0)
+        try:
+            check_shard(path, manifest, full_hash=key not in _VERIFIED and distributed_rank() == 0)
+        except UserError as exc:
+            # never trained on: without its manifest the next run rebuilds the shard
+            Path(manifest_path).unlink(missing_ok=True)
+            raise UserError(
+                f"{str(exc).split(';')[0]}; removed its manifest {manifest_path}: rerun the "
+                "workflow to rebuild this shard"
+            ) from None
         _VERIFIED.add(key)
         shards.append(open_shard(path))
     return shards
@@ -62,6 +73,14 @@ def split_indices(
     """(shard, sample) pairs of valid samples; the last ``val_fraction`` is validation."""
     pairs = [(s, i) for s, shard in enumerate(shards) for i in range(len(shard)) if shard.valid[i]]
     if len(pairs) < 2:
+        rejected = sum(len(shard) - int(shard.valid.sum()) for shard in shards)
+        if rejected:
+            where = ", ".join(str(shard.path.with_suffix(".json")) for shard in shards)
+            raise UserError(
+                f"{where}: {rejected} sample(s) rejected for non-finite (NaN/inf) hidden states, "
+                f"{len(pairs)} usable; training needs at least 2: check the verifier's weights "
+                "or extract in higher precision (extract.dtype: float32)"
+            )
         raise UserError(
             f"only {len(pairs)} usable sample(s) in the shards; training needs at least 2 "
             "(raise data.train.max_samples)"
@@ -444,10 +463,16 @@ def resolve_runtime(cfg) -> dict[str, Any]:
 def build_draft(
     cfg, record: dict[str, Any], aux: list[int], vocab_map: dict[str, torch.Tensor], attention: str
 ):
-    """Eagle3DraftModel exactly as speculators' CLI builds it for eagle3."""
+    """Eagle3DraftModel exactly as speculators' CLI builds it for eagle3.
+
+    speculators takes the shape, vocab size and the embeddings/final norm/LM head from the
+    language model of the verifier (``text_config``, ``*embed_tokens``/``*lm_head`` weights)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
+    from eagle3lib.verifier import load_config
+
+    load_config(record)  # a trusted custom-code config must be readable without the flag
     verifier = record["load_path"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -475,6 +500,71 @@ def build_draft(
         draft_attn_impl=attention,
         trust_remote_code=record["trust_remote_code"],
     )
+
+
+def save_state_losslessly(checkpointer) -> None:
+    """Save resumable state in fp32 instead of speculators' bf16 (its landmine 19).
+
+    speculators converts the weights and the whole optimiser state to bf16 when it saves, the
+    Adam step counter included: the counter then rounds above 256 and a resumed run's weights
+    and moments differ from the uninterrupted run's. In fp32 (the training precision; bf16 is
+    only autocast) a run killed and resumed ends with the bytes of one that was not. The
+    exported checkpoint is still bf16 (checkpoint.export)."""
+    checkpointer.save_checkpoint = functools.partial(
+        checkpointer.save_checkpoint, float_dtype=torch.float32
+    )
+
+
+STAGING = ".staging"
+
+
+def swap_in(new: Path, final: Path) -> None:
+    """Replace the folder ``final`` by ``new``; a kill at any point leaves a whole checkpoint
+    under ``final`` or under ``final.old`` (which recover_state_dir puts back)."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_state_dir(state_dir: Path) -> None:
+    """Undo what a kill during a checkpoint save left: a half-written staging folder, or an
+    epoch folder moved aside (``<epoch>.old``) whose replacement never arrived."""
+    shutil.rmtree(state_dir / STAGING, ignore_errors=True)
+    for old in state_dir.glob("*.old"):
+        final = old.with_name(old.name.removesuffix(".old"))
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, final)
+
+
+def save_checkpoints_atomically(trainer, rank: int) -> None:
+    """speculators writes a checkpoint's files (weights, optimiser, scheduler, training state)
+    in place into ``<state>/<epoch>/``, overwriting the epoch's previous mid-epoch checkpoint: a
+    kill during that save would leave no usable checkpoint. Here each save goes to a staging
+    folder first and is swapped in whole."""
+    save = trainer.maybe_save_checkpoint
+    checkpointer = trainer.checkpointer
+
+    def atomic_save(epoch, local_step: int = 0):
+        root = checkpointer.path
+        staging = root / STAGING
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        checkpointer.path = staging
+        try:
+            save(epoch, local_step=local_step)
+        finally:
+            checkpointer.path = root
+        if rank == 0:
+            if (staging / str(epoch)).is_dir():
+                swap_in(staging / str(epoch), root / str(epoch))
+            shutil.rmtree(staging, ignore_errors=True)
+
+    trainer.maybe_save_checkpoint = atomic_save
 
 
 def train(
@@ -514,13 +604,16 @@ def train(
     runtime = resolve_runtime(cfg)
 
     fingerprint = {
-        "train": {k_: v for k_, v in vars(cfg).items() if k_ != "gpus"},
+        # how often state is saved and on how many GPUs do not change what is trained
+        "train": {k_: v for k_, v in vars(cfg).items() if k_ not in ("gpus", "checkpoint_freq")},
         "shards": [m["file"]["sha256"] for m in manifests],
         "vocab": sha256_json(vocab_map["d2t"].tolist()),
         "runtime": {"attention": runtime["attention"], "loss": runtime["loss"]},
     }
     rank = setup_distributed()
     resumed = fingerprinted_dir(state_dir, fingerprint) if rank == 0 else None
+    if rank == 0:
+        recover_state_dir(state_dir)
     barrier()
 
     set_seed(cfg.seed)
@@ -564,6 +657,8 @@ def train(
         hidden_states_dtype=dtype,
         log_freq=cfg.log_every,
         max_steps=cfg.max_steps,
+        checkpoint_freq=cfg.checkpoint_freq,
+        fsdp_shard=cfg.fsdp,
     )
     recorder = MetricsRecorder(metrics_path) if rank == 0 else logging.NullHandler()
     metric_logger = logging.getLogger("speculators.metrics")
@@ -574,6 +669,8 @@ def train(
         with cpu_trainer_patches():
             trainer_cls = trainer_class or StreamingTrainer
             trainer = trainer_cls(model, trainer_config, train_loader, val_loader)
+            save_state_losslessly(trainer.checkpointer)
+            save_checkpoints_atomically(trainer, rank)
             if torch.accelerator.current_accelerator() is None:
                 trainer.device_type = "cpu"
             trainer.run_training()
@@ -599,6 +696,7 @@ def train(
         "dtype": str(dtype).removeprefix("torch."),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "processes": world_size(),
+        "fsdp": bool(cfg.fsdp and world_size() > 1),
         "rank": rank,
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds

@@ -83,6 +83,57 @@ def default_name(path: str) -> str:
     return Path(path).name if is_local(path) else path
 
 
+def ships_code(config_dict: dict[str, Any]) -> bool:
+    """The config names its own configuration code (``auto_map``)."""
+    return "AutoConfig" in (config_dict.get("auto_map") or {})
+
+
+def needs_custom_code(config_dict: dict[str, Any]) -> bool:
+    """Only the verifier's own code can load it: transformers does not ship its model type.
+
+    Decided from transformers' static list of model types, so a custom config registered in
+    this process (see ``load_config``) still counts as custom code."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return ships_code(config_dict) and config_dict.get("model_type") not in CONFIG_MAPPING_NAMES
+
+
+def custom_code_refused(path: str, model_type: str | None) -> UserError:
+    return UserError(
+        f"config key verifier.trust_remote_code: verifier {path!r} ships custom code "
+        f"(model type {model_type!r}); set verifier.trust_remote_code: true if you trust it"
+    )
+
+
+def read_config(path: str, load_path: str, trust_remote_code: bool):
+    """(config, whether the verifier's own code is used) of the verifier. With
+    trust_remote_code transformers prefers a verifier's code over its own classes."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(load_path)
+        if needs_custom_code(config_dict) and not trust_remote_code:
+            raise custom_code_refused(path, config_dict.get("model_type"))
+        config = AutoConfig.from_pretrained(load_path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise custom_code_refused(path, None) from None
+        raise UserError(f"verifier {path!r}: cannot read its config ({exc})") from None
+    except OSError as exc:
+        local_config = Path(load_path) / "config.json"
+        if local_config.is_file():  # there, but transformers cannot parse it
+            raise UserError(
+                f"{local_config}: not a valid model config ({str(exc).splitlines()[0]}); fix or "
+                "replace its config.json"
+            ) from None
+        hint = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise UserError(
+            f"config key verifier.path: cannot load {path!r}{hint}; use a local model folder "
+            f"or a reachable hub id ({str(exc).splitlines()[0]})"
+        ) from None
+    return config, ships_code(config_dict) and trust_remote_code
+
+
 def materialize(
     path: str,
     name: str | None,
@@ -92,8 +143,6 @@ def materialize(
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Make the verifier loadable and return its identity record."""
-    from transformers import AutoConfig
-
     if path.startswith(PACKAGE_PREFIX):
         gguf = resolve_package_path(path, "verifier.path")
         if gguf.suffix != ".gguf":
@@ -111,21 +160,7 @@ def materialize(
     else:
         load_path, kind = path, "hub"
 
-    try:
-        config = AutoConfig.from_pretrained(load_path, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise UserError(
-                f"verifier {path!r} ships custom code; set verifier.trust_remote_code: true "
-                "if you trust it"
-            ) from None
-        raise UserError(f"verifier {path!r}: cannot read its config ({exc})") from None
-    except OSError as exc:
-        hint = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise UserError(
-            f"config key verifier.path: cannot load {path!r}{hint}; use a local model folder "
-            f"or a reachable hub id ({str(exc).splitlines()[0]})"
-        ) from None
+    config, custom_code = read_config(path, load_path, trust_remote_code)
 
     weights: dict[str, Any] = {"kind": "hub", "files": {}, "sha256": None}
     if kind != "hub":
@@ -156,6 +191,7 @@ def materialize(
         "config_sha256": sha256_json(config_dict),
         "weights": weights,
         "trust_remote_code": trust_remote_code,
+        "custom_code": custom_code,  # its own (trusted) code, not transformers', builds it
         "allow_pickle": allow_pickle,
     }
 
@@ -177,12 +213,42 @@ def load_tokenizer(record: dict[str, Any]):
     )
 
 
-def load_model(record: dict[str, Any], dtype, device_map=None):
-    """The verifier as an HF causal LM in eval mode."""
-    from transformers import AutoModelForCausalLM
+def load_config(record: dict[str, Any]):
+    """The verifier's config. A trusted custom-code config class is also registered with
+    AutoConfig for this process: speculators reads the verifier config again without passing
+    ``trust_remote_code`` (building the draft, loading it, reading the verifier's weights)."""
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
+    trust = record["trust_remote_code"]
+    config = AutoConfig.from_pretrained(record["load_path"], trust_remote_code=trust)
+    if trust and not type(config).__module__.startswith("transformers."):
+        AutoConfig.register(config.model_type, type(config), exist_ok=True)
+    return config
+
+
+def model_auto_class(config, trust_remote_code: bool):
+    """The Auto class that builds the verifier with its LM head: a causal LM (Llama, Qwen3;
+    custom code mapped to AutoModelForCausalLM), else an image-text-to-text model whose text
+    part is the language model (Qwen-VL, Kimi-K2.5 in transformers)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto_map = (getattr(config, "auto_map", None) or {}) if trust_remote_code else {}
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if auto.__name__ in auto_map or type(config) in auto._model_mapping:  # noqa: SLF001
+            return auto
+    raise UserError(
+        f"verifier model type {config.model_type!r}: transformers has no causal-LM or "
+        "image-text-to-text class for it (nor does its custom code, if any)"
+    )
+
+
+def load_model(record: dict[str, Any], dtype, device_map=None):
+    """The verifier with its LM head (causal LM or multimodal wrapper) in eval mode."""
+    config = load_config(record)
+    auto = model_auto_class(config, record["trust_remote_code"])
+    model = auto.from_pretrained(
         record["load_path"],
+        config=config,
         dtype=dtype,
         device_map=device_map,
         trust_remote_code=record["trust_remote_code"],
@@ -220,3 +286,13 @@ def decoder_layers(model):
         raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__}")
     # The language model's layers have the shortest path among same-length lists.
     return min(candidates, key=lambda c: c[0].count("."))[1]
+
+
+def text_decoder(model):
+    """The language model's base decoder (embeddings, decoder layers, final norm): the module
+    extraction runs, without a vision tower or an LM head (whatever ``get_decoder`` returns)."""
+    layers = decoder_layers(model)
+    for module in model.modules():
+        if getattr(module, "layers", None) is layers:
+            return module
+    raise UserError(f"cannot find the module holding the decoder layers of {type(model).__name__}")

@@ -82,4 +82,16 @@ def save(path: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 def load(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{path}: unreadable vocab map ({detail}); delete it and rerun the vocab rule"
+        ) from None
+    missing = [k for k in ("d2t", "t2d") if k not in tensors]
+    if missing:
+        raise UserError(
+            f"{path}: vocab map lacks {', '.join(missing)}; delete it and rerun the vocab rule"
+        )
+    return tensors

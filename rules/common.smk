@@ -8,6 +8,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
+from eagle3lib.fileio import size_mismatch  # noqa: E402
 from eagle3lib.verifier import is_local  # noqa: E402
 
 
@@ -73,6 +74,21 @@ PLOT_LOSS = results("reports/loss.png")
 REPORT_TABLES = results("reports/tables.html")
 VALIDATION = results("reports/validation.txt")
 GPU_RECORD = results("gpu/{job}.json")
+
+
+def forget_damaged_shards():
+    """A shard truncated or replaced since it was built no longer matches its manifest: drop
+    the manifest so this run rebuilds the shard (training would refuse it)."""
+    for i in range(N_SHARDS):
+        shard = Path(SHARD.format(shard=i))
+        manifest = Path(SHARD_MANIFEST.format(shard=i))
+        problem = size_mismatch(shard, manifest)
+        if problem:
+            print(f"warning: {problem}; rebuilding shard {i}", file=sys.stderr)
+            manifest.unlink()
+
+
+forget_damaged_shards()
 
 
 def section(name, drop=("gpus", "gpus_per_job")):

@@ -142,8 +142,10 @@ def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
     assert stats["final_epoch_dir"] == str(state / "1")
 
 
-def test_ddp_over_two_processes_trains_and_exports_once(pipeline, tmp_path):
-    """The train script relaunches itself under torchrun (gloo on CPU): 2 ranks, 1 export."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_train_and_export_once(pipeline, tmp_path, fsdp):
+    """The train script relaunches itself under torchrun (gloo on CPU): 2 ranks, 1 export;
+    the draft replicated (DDP) or sharded over the ranks (FSDP2, train.fsdp)."""
     import json
     import subprocess
     import sys
@@ -158,7 +160,7 @@ def test_ddp_over_two_processes_trains_and_exports_once(pipeline, tmp_path):
     vocab.save(
         tmp_path / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
     )
-    cfg = asdict(replace(pipeline["train_cfg"], epochs=1))
+    cfg = asdict(replace(pipeline["train_cfg"], epochs=1, fsdp=fsdp))
     out = tmp_path / "ckpt"
     proc = subprocess.run(
         [
@@ -195,6 +197,6 @@ def test_ddp_over_two_processes_trains_and_exports_once(pipeline, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["rank"] == 0
+    assert summary["processes"] == 2 and summary["rank"] == 0 and summary["fsdp"] is fsdp
     assert len(summary["curves"]["train_loss"]) >= 2
     assert checkpoint.check(out, pipeline["record"], [2, 4, 5])["valid"] is True

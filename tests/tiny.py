@@ -161,3 +161,251 @@ def write_config(
             config[key] = value
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+# ---- nested (multimodal) verifiers: the language model's config is the ``text_config`` ------
+
+
+def _randomize(model, std: float = 0.08) -> None:
+    """Larger weights than the default init (as build_verifier): less uniform logits."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+
+
+def build_qwen_vl_verifier(
+    path: Path, seed: int = 0, layers: int = 8, hidden: int = 64, heads: int = 4
+) -> Path:
+    """A random Qwen3-VL (vision tower + Qwen3 text model, config nests ``text_config``)
+    saved as safetensors with the tiny tokenizer. transformers maps it to
+    AutoModelForImageTextToText only (no causal-LM class), like the real Qwen-VL models."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    head_dim = hidden // heads
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads // 2,
+            "head_dim": head_dim,
+            "max_position_embeddings": 2048,
+            # interleaved M-RoPE sections (temporal, height, width) over head_dim / 2
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+                "mrope_interleaved": True,
+            },
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": None,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 4,
+            "out_hidden_size": hidden,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
+        },
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    _randomize(model)
+    model.save_pretrained(path)
+    return path
+
+
+KIMI_CONFIGURATION = '''"""Tiny stand-in for Kimi-K2.5's remote configuration code (tests only): a multimodal
+config whose ``text_config`` is a DeepSeek-V3 config (MLA attention, MoE feed-forward)."""
+
+from transformers import DeepseekV3Config, PretrainedConfig
+
+
+class TinyKimiK25Config(PretrainedConfig):
+    model_type = "tiny_kimi_k25"
+
+    def __init__(self, text_config=None, vision_config=None, media_placeholder_token_id=None,
+                 **kwargs):
+        if isinstance(text_config, dict):
+            text_config = DeepseekV3Config(**text_config)
+        self.text_config = text_config if text_config is not None else DeepseekV3Config()
+        self.vision_config = vision_config or {"hidden_size": 16, "patch_size": 4, "channels": 3}
+        self.media_placeholder_token_id = media_placeholder_token_id
+        super().__init__(**kwargs)
+'''
+
+KIMI_MODELING = '''"""Tiny stand-in for Kimi-K2.5's remote modeling code (tests only): a vision tower and a
+projector around transformers' DeepseekV3ForCausalLM, stored as ``language_model`` (the
+layout of the real checkpoint: language_model.model.layers.*, language_model.lm_head)."""
+
+from torch import nn
+from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
+
+from .configuration_tiny_kimi_k25 import TinyKimiK25Config
+
+
+class TinyVisionTower(nn.Module):
+    def __init__(self, vision):
+        super().__init__()
+        width = vision["hidden_size"]
+        self.patch_embed = nn.Linear(vision["channels"] * vision["patch_size"] ** 2, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width)])
+        self.final_layernorm = nn.LayerNorm(width)
+
+    def forward(self, patches):
+        x = self.patch_embed(patches)
+        for block in self.blocks:
+            x = x + block(x).relu()
+        return self.final_layernorm(x)
+
+
+class TinyKimiK25ForConditionalGeneration(PreTrainedModel, GenerationMixin):
+    config_class = TinyKimiK25Config
+    base_model_prefix = "language_model"
+    _no_split_modules = ["DeepseekV3DecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        text_hidden = config.text_config.hidden_size
+        self.vision_tower = TinyVisionTower(config.vision_config)
+        self.mm_projector = nn.Sequential(
+            nn.LayerNorm(config.vision_config["hidden_size"]),
+            nn.Linear(config.vision_config["hidden_size"], text_hidden),
+        )
+        self.language_model = DeepseekV3ForCausalLM(config.text_config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.language_model.get_output_embeddings()
+
+    def forward(self, input_ids=None, pixel_values=None, **kwargs):
+        if pixel_values is not None:
+            raise NotImplementedError("the tiny stand-in takes text only")
+        return self.language_model(input_ids=input_ids, **kwargs)
+'''
+
+
+def deepseek_v3_text_config(tokenizer, layers: int, hidden: int, heads: int) -> dict:
+    """A tiny DeepSeek-V3 text config (Kimi-K2.5's language model): MLA attention (q/kv LoRA
+    ranks, split rope/nope heads) and MoE (routed + shared experts, top-2 routing), the first
+    layer dense and the others MoE."""
+    return {
+        "model_type": "deepseek_v3",
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "q_lora_rank": hidden // 2,
+        "kv_lora_rank": hidden // 4,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+
+
+def build_kimi_verifier(
+    path: Path,
+    seed: int = 0,
+    layers: int = 8,
+    hidden: int = 64,
+    heads: int = 4,
+    custom_code: bool = True,
+) -> Path:
+    """A random Kimi-K2.5-style verifier: an outer multimodal config nesting a DeepSeek-V3
+    ``text_config`` (see deepseek_v3_text_config), a vision tower, and the language model.
+
+    custom_code=True (the hub's form): config.json names the folder's own configuration and
+    modeling files in ``auto_map`` under a model type transformers does not know, so loading
+    needs trust_remote_code=True. custom_code=False: transformers' own Kimi_K25 classes
+    (AutoModelForImageTextToText), as a transformers with Kimi-K2.5 support loads the hub
+    checkpoint without custom code."""
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    text_config = deepseek_v3_text_config(tokenizer, layers, hidden, heads)
+    special = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(seed)
+    if custom_code:
+        model = _custom_code_kimi(path, text_config, len(tokenizer), special)
+    else:
+        from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+        vision = {
+            "num_hidden_layers": 1,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "patch_size": 4,
+            "pos_emb_height": 4,
+            "pos_emb_width": 4,
+            "pos_emb_time": 1,
+        }
+        config = Kimi_K25Config(
+            text_config=text_config,
+            vision_config=vision,
+            projection_hidden_size=32,
+            tie_word_embeddings=False,
+            **special,
+        )
+        model = Kimi_K25ForConditionalGeneration(config)
+    _randomize(model)
+    model.save_pretrained(path)
+    return path
+
+
+def _custom_code_kimi(path: Path, text_config: dict, vocab: int, special: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (path / "configuration_tiny_kimi_k25.py").write_text(KIMI_CONFIGURATION)
+    (path / "modeling_tiny_kimi_k25.py").write_text(KIMI_MODELING)
+    config_json = {
+        "model_type": "tiny_kimi_k25",
+        "architectures": ["TinyKimiK25ForConditionalGeneration"],
+        "auto_map": {
+            "AutoConfig": "configuration_tiny_kimi_k25.TinyKimiK25Config",
+            "AutoModel": "modeling_tiny_kimi_k25.TinyKimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_tiny_kimi_k25.TinyKimiK25ForConditionalGeneration",
+        },
+        "text_config": text_config,
+        "vision_config": {"hidden_size": 16, "patch_size": 4, "channels": 3},
+        "media_placeholder_token_id": vocab + 1000,  # never in text
+        "tie_word_embeddings": False,
+        **special,
+    }
+    (path / "config.json").write_text(json.dumps(config_json, indent=2))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=True)

@@ -1,0 +1,444 @@
+"""Faults: kill -9 at seeded random points, then rerun; nothing lost, nothing silently wrong.
+
+Every kill is a real SIGKILL of the whole process group (like a node crash or the OOM killer):
+of `snakemake` with its extraction jobs, of the train job, of the regenerate job. After each,
+a plain rerun must finish, and what it builds must be the bytes of an uninterrupted run (CPU,
+fp32, fixed seeds). A full disk is a real size-capped tmpfs (skipped where mounting is not
+permitted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tiny
+from conftest import ROOT, executed_jobs, run_snakemake
+
+pytestmark = pytest.mark.slow
+
+TRIALS = 5
+
+
+def job_env() -> dict[str, str]:
+    """The environment snakemake gives a job: this venv's python first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def start(cmd: list[str], cwd: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_when(proc: subprocess.Popen, ready, delay: float, timeout: float = 120.0) -> bool:
+    """SIGKILL the process group ``delay`` s after ``ready()`` holds; False if it ended first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.wait()
+            return False
+        time.sleep(0.02)
+    time.sleep(delay)
+    if proc.poll() is not None:
+        return False
+    kill_tree(proc.pid)
+    proc.wait()
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, also those in sessions of their own (the GPU wrapper
+    starts each job in its own session), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything it started, at once, as a crash of the machine would."""
+    for victim in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+def kill_each(runs: list[tuple[list[str], Callable[[], bool], float]]) -> list[bool]:
+    """Start every command at once (the trials overlap; each is still killed at its own
+    seeded moment): SIGKILL each, with all it started, ``delay`` s after its ``ready()``
+    first holds. Per run: was it killed (False: it finished first)."""
+    procs = [
+        subprocess.Popen(cmd, env=job_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+        for cmd, _, _ in runs
+    ]  # fmt: skip
+    due: list[float | None] = [None] * len(runs)
+    killed = [False] * len(runs)
+    give_up = time.monotonic() + 300
+    while time.monotonic() < give_up and any(
+        p.poll() is None and not k for p, k in zip(procs, killed, strict=True)
+    ):
+        now = time.monotonic()
+        for i, (proc, (_, ready, delay)) in enumerate(zip(procs, runs, strict=True)):
+            if killed[i] or proc.poll() is not None:
+                continue
+            if due[i] is None and ready():
+                due[i] = now + delay
+            if due[i] is not None and now >= due[i]:
+                kill_tree(proc.pid)
+                killed[i] = True
+        time.sleep(0.02)
+    for proc in procs:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        proc.wait()
+    return killed
+
+
+def run_each(cmds: list[list[str]], logs: list[Path]) -> list[int]:
+    """Run the commands at once, each writing to its log; their exit statuses."""
+    procs = []
+    for cmd, log in zip(cmds, logs, strict=True):
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, env=job_env(), stdout=fh, stderr=fh))
+    return [proc.wait() for proc in procs]
+
+
+# ---- extraction: the shard job, and snakemake with it, killed -----------------------------
+
+
+@pytest.fixture(scope="module")
+def extraction(tmp_path_factory, verifier_dir):
+    """A workspace with the verifier and samples built, the shards of an uninterrupted run,
+    and the shell command of shard 1's job exactly as snakemake runs it."""
+    root = tmp_path_factory.mktemp("faults-extract")
+    train = tiny.write_jsonl(root / "train.jsonl", tiny.conversations(60, seed=11))
+    evals = tiny.write_jsonl(root / "eval.jsonl", [{"question_id": 0, "turns": ["Hello"]}])
+    config = root / "config.yaml"
+    tiny.write_config(config, "t", verifier_dir, train, evals, extract={"shards": 3})
+    results = root / "results" / "t" / "hidden_states"
+    targets = [
+        f"results/t/hidden_states/shard-{i}.{ext}"
+        for i in range(3)
+        for ext in ("safetensors", "json")
+    ]
+    run_snakemake(root, config, *targets)
+    reference = {
+        p.name: p.read_bytes() for p in sorted(results.iterdir()) if p.name.startswith("shard-")
+    }
+    plan = run_snakemake(
+        root, config, targets[2], "--forcerun", targets[2], "--dry-run", "--printshellcmds"
+    ).stdout
+    job = next(
+        line.split("Shell command:", 1)[1].strip()
+        for line in plan.splitlines()
+        if "Shell command:" in line and "scripts/extract.py" in line
+    )
+    return root, config, results, targets, reference, job
+
+
+def shard_files(results: Path) -> dict[str, bytes]:
+    return {
+        p.name: p.read_bytes() for p in sorted(results.iterdir()) if p.name.startswith("shard-")
+    }
+
+
+def assert_shards_as_uninterrupted(results: Path, reference: dict[str, bytes]) -> None:
+    from eagle3lib.hidden_states import check_shard
+
+    built = shard_files(results)
+    assert built.keys() == reference.keys()
+    for name, data in reference.items():
+        assert built[name] == data, name
+    for i in range(3):
+        manifest = json.loads((results / f"shard-{i}.json").read_text())
+        check_shard(results / f"shard-{i}.safetensors", manifest)
+    assert not list(results.glob(".*.tmp-*"))  # the killed job's half-written shard is gone
+
+
+@pytest.mark.parametrize("seed", range(TRIALS))
+def test_killed_shard_job_reruns_to_the_same_bytes(extraction, seed):
+    """kill -9 of the extract job (its shell command, as snakemake runs it): even seeds while
+    the shard is being written, odd seeds at a random moment of the job."""
+    root, _config, results, _targets, reference, job = extraction
+    for name in ("shard-1.safetensors", "shard-1.json"):
+        (results / name).unlink(missing_ok=True)
+    rng = random.Random(seed)
+    if seed % 2 == 0:
+        ready = lambda: any(results.glob(".shard-1.safetensors.tmp-*"))  # noqa: E731
+        delay = rng.uniform(0.0, 0.05)
+    else:
+        ready = lambda: True  # noqa: E731
+        delay = rng.uniform(0.5, 3.5)
+    assert kill_when(start(["bash", "-c", job], cwd=root), ready, delay), "finished first"
+    rerun = subprocess.run(
+        ["bash", "-c", job], cwd=root, env=job_env(), capture_output=True, text=True
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert_shards_as_uninterrupted(results, reference)
+
+
+def test_killed_workflow_reruns_to_the_same_bytes(extraction):
+    """kill -9 of snakemake with its shard jobs, then what the README says to do after a
+    crash: release snakemake's lock and rerun (--rerun-incomplete, safe here because every
+    artifact is written under a temporary name and renamed)."""
+    root, config, results, targets, reference, _job = extraction
+    for p in results.iterdir():
+        if p.name.startswith("shard-"):
+            p.unlink()
+    logs = root / "results" / "t" / "logs"
+    for log in logs.glob("extract-*.log"):
+        log.unlink()
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--cores", "2",
+           "--workflow-profile", "none", *targets, "--configfile", str(config)]  # fmt: skip
+    ready = lambda: any(logs.glob("extract-*.log"))  # noqa: E731 - a shard job has started
+    assert kill_when(start(cmd, cwd=root), ready, random.Random(0).uniform(2.0, 5.0))
+    locked = run_snakemake(root, config, *targets, check=False)
+    said = locked.stdout + locked.stderr
+    # snakemake refuses a plain rerun: its lock, or outputs of the killed jobs marked incomplete
+    assert locked.returncode != 0 and ("--unlock" in said or "--rerun-incomplete" in said), said
+    run_snakemake(root, config, *targets, "--unlock")
+    run_snakemake(root, config, *targets, "--rerun-incomplete")
+    assert_shards_as_uninterrupted(results, reference)
+
+
+def test_truncated_shard_is_rebuilt_not_trained_on(extraction):
+    """A shard cut short after it was built (disk trouble, a bad copy) no longer matches its
+    manifest: the next run rebuilds that shard, and only that one."""
+    root, config, results, targets, reference, _job = extraction
+    run_snakemake(root, config, *targets)  # whatever the trials left: complete
+    shard = results / "shard-1.safetensors"
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    proc = run_snakemake(root, config, *targets)
+    out = proc.stdout + proc.stderr
+    assert "shard-1.safetensors" in out and "rebuilding shard 1" in out
+    assert [j for j in executed_jobs(out) if j.startswith("extract")] == ["extract[shard=1]"]
+    assert shard.read_bytes() == reference["shard-1.safetensors"]
+
+
+# ---- training: the train job killed mid-epoch --------------------------------------------------
+
+
+def train_command(pipeline, tmp: Path, cfg) -> list[str]:
+    import dataclasses
+
+    from eagle3lib import vocab
+    from eagle3lib.fileio import write_json
+
+    write_json(tmp / "verifier.json", pipeline["record"])
+    if not (tmp / "vocab.safetensors").exists():
+        vocab.save(
+            tmp / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
+        )
+    out = tmp / "checkpoint"
+    return [
+        sys.executable, str(ROOT / "scripts" / "train.py"),
+        "--verifier", str(tmp / "verifier.json"),
+        "--shards", *map(str, pipeline["shards"]),
+        "--manifests", *map(str, pipeline["manifests"]),
+        "--vocab-map", str(tmp / "vocab.safetensors"),
+        "--train", json.dumps(dataclasses.asdict(cfg)),
+        "--state-dir", str(tmp / "state"),
+        "--threads", "1",
+        "--out-config", str(out / "config.json"),
+        "--out-weights", str(out / "model.safetensors"),
+        "--out-card", str(out / "README.md"),
+        "--out-summary", str(tmp / "summary.json"),
+    ]  # fmt: skip
+
+
+def step_counters(epoch_dir: Path) -> set[float]:
+    import torch
+
+    state = torch.load(epoch_dir / "optimizer_state_dict.pt", weights_only=True)
+    return {float(s["step"]) for s in state["state"].values()}
+
+
+def test_killed_training_resumes_mid_epoch_to_the_same_bytes(pipeline, tmp_path):
+    """kill -9 after a mid-epoch checkpoint: the rerun resumes from it (not from zero), the
+    optimiser's step counter is exact, and the checkpoint equals an uninterrupted run's."""
+    import dataclasses
+
+    cfg = dataclasses.replace(pipeline["train_cfg"], epochs=2, checkpoint_freq=0.25)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    subprocess.run(train_command(pipeline, ref, cfg), check=True, capture_output=True)
+    reference = (ref / "checkpoint" / "model.safetensors").read_bytes()
+    total_steps = json.loads((ref / "state" / "1" / "training_state.json").read_text())[
+        "global_step"
+    ]
+
+    def train_records(work: Path) -> int:
+        metrics = work / "state" / "metrics.jsonl"
+        if not metrics.exists():
+            return 0
+        return sum('"train"' in line for line in metrics.read_text().splitlines())
+
+    works = [tmp_path / f"trial{seed}" for seed in range(TRIALS)]
+    cmds = []
+    for work in works:
+        work.mkdir()
+        cmds.append(train_command(pipeline, work, cfg))
+    # each killed at a seeded moment after its first mid-epoch checkpoint was saved
+    killed = kill_each(
+        [
+            (cmd, lambda w=work: any((w / "state").glob("[0-9]*/training_state.json")),
+             random.Random(seed).uniform(0.0, 1.5))
+            for seed, (cmd, work) in enumerate(zip(cmds, works, strict=True))
+        ]
+    )  # fmt: skip
+    assert all(killed), killed
+    had_checkpoint = [any((w / "state").glob("[0-9]*/training_state.json")) for w in works]
+    steps_before = [train_records(w) for w in works]
+    statuses = run_each(cmds, [w / "rerun.log" for w in works])
+    for seed, work in enumerate(works):
+        assert statuses[seed] == 0, (work / "rerun.log").read_text()[-2000:]
+        if had_checkpoint[seed]:  # continued from it: fewer steps than a whole run
+            assert train_records(work) - steps_before[seed] < total_steps
+        assert (work / "checkpoint" / "model.safetensors").read_bytes() == reference, seed
+        final = Path(json.loads((work / "summary.json").read_text())["final_epoch_dir"])
+        global_step = json.loads((final / "training_state.json").read_text())["global_step"]
+        assert global_step == total_steps and step_counters(final) == {float(total_steps)}
+        states = work / "state"
+        assert not list(states.glob("*.old")) and not (states / ".staging").exists()
+
+
+def test_step_counter_is_exact_above_256(tmp_path):
+    """speculators saves optimiser state in bf16, where 257 reads back as 256; ours does not."""
+    import torch
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+
+    from eagle3lib import train
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(257):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    with train.cpu_trainer_patches():
+        stock = SingleGPUCheckpointer(tmp_path / "stock")
+        model.save_pretrained = lambda path, state_dict: Path(path).mkdir(parents=True)
+        stock.save_checkpoint(model, opt, 0)
+        ours = SingleGPUCheckpointer(tmp_path / "ours")
+        train.save_state_losslessly(ours)
+        ours.save_checkpoint(model, opt, 0)
+    assert step_counters(tmp_path / "stock" / "0") == {256.0}  # the landmine, still there
+    assert step_counters(tmp_path / "ours" / "0") == {257.0}
+
+
+# ---- regeneration: the regenerate job killed ---------------------------------------------------
+
+
+def test_killed_regeneration_resumes_to_the_same_bytes(verifier_record, tmp_path):
+    from eagle3lib.fileio import write_json
+
+    convs = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(24, seed=3))
+    write_json(tmp_path / "verifier.json", verifier_record)
+    data = {"train": {"path": str(convs)}, "max_length": 256}
+    section = {"backend": "hf", "max_new_tokens": 12, "batch_size": 4, "chunk_size": 4}
+
+    def command(work: Path) -> list[str]:
+        return [
+            sys.executable, str(ROOT / "scripts" / "regenerate.py"),
+            "--verifier", str(tmp_path / "verifier.json"), "--train", str(convs),
+            "--data", json.dumps(data), "--regenerate", json.dumps(section), "--vllm", "{}",
+            "--vllm-python", sys.executable, "--work-dir", str(work / "chunks"),
+            "--server-log", str(work / "server.log"), "--threads", "1",
+            "--out", str(work / "out.jsonl"), "--out-info", str(work / "info.json"),
+        ]  # fmt: skip
+
+    subprocess.run(command(tmp_path / "ref"), check=True, capture_output=True)
+    reference = (tmp_path / "ref" / "out.jsonl").read_bytes()
+    works = [tmp_path / f"trial{seed}" for seed in range(TRIALS)]
+    killed = kill_each(
+        [
+            (command(work),
+             lambda w=work, n=1 + seed % 3: len(list((w / "chunks").glob("chunk-*.jsonl"))) >= n,
+             random.Random(seed).uniform(0.0, 0.5))
+            for seed, work in enumerate(works)
+        ]
+    )  # fmt: skip
+    done = [len(list((w / "chunks").glob("chunk-*.jsonl"))) for w in works]
+    statuses = run_each([command(w) for w in works], [w / "rerun.log" for w in works])
+    for seed, work in enumerate(works):
+        assert statuses[seed] == 0, (work / "rerun.log").read_text()[-2000:]
+        info = json.loads((work / "info.json").read_text())
+        if killed[seed]:
+            assert info["chunks_reused"] >= done[seed] - 1  # finished chunks were not redone
+        assert (work / "out.jsonl").read_bytes() == reference, seed
+    assert sum(killed) >= 3, killed  # most trials were cut off, not finished first
+
+
+# ---- a full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root or CAP_SYS_ADMIN: skipped where mounting is not permitted)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_a_clear_error_and_leaves_nothing(pipeline, small_disk):
+    from eagle3lib.config import ExtractConfig
+    from eagle3lib.errors import UserError
+    from eagle3lib.hidden_states import extract_shard
+
+    shard, manifest = small_disk / "shard-0.safetensors", small_disk / "shard-0.json"
+    with pytest.raises(UserError, match=r"shard-0\.safetensors: cannot reserve .* free disk space"):
+        extract_shard(
+            pipeline["samples"], pipeline["ids"], 0, ExtractConfig(shards=2, batch_tokens=512),
+            pipeline["record"], shard, manifest,
+        )  # fmt: skip
+    assert list(small_disk.iterdir()) == []  # no shard, no temp file, no manifest
+
+
+def test_disk_full_during_a_write_is_one_line(small_disk):
+    """Any write that runs out of space (a manifest, a log, a checkpoint) exits with one line
+    naming the file, not a traceback."""
+    code = (
+        "import sys; sys.path.insert(0, {!r})\n"
+        "from eagle3lib.errors import cli\n"
+        "from eagle3lib.fileio import write_json\n"
+        "cli(lambda: write_json({!r}, {{'x': 'y' * (4 << 20)}}))()\n"
+    ).format(str(ROOT), str(small_disk / "big.json"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "free disk space" in lines[0]
+    assert str(small_disk) in lines[0]
+    assert list(small_disk.iterdir()) == []
