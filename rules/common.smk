@@ -88,7 +88,10 @@ def forget_damaged_shards():
             manifest.unlink()
 
 
-forget_damaged_shards()
+# Only the run that plans the DAG: a job's own snakemake (a cluster job) must not race with
+# the extract job that is writing a shard and its manifest.
+if workflow.is_main_process:
+    forget_damaged_shards()
 
 
 def section(name, drop=("gpus", "gpus_per_job")):
