@@ -190,12 +190,15 @@ def test_killed_shard_job_reruns_to_the_same_bytes(extraction, seed):
     for name in ("shard-1.safetensors", "shard-1.json"):
         (results / name).unlink(missing_ok=True)
     rng = random.Random(seed)
+    shard = results / "shard-1.safetensors"
+
+    def writing() -> bool:  # its temporary file is being filled, or renamed without manifest
+        return any(results.glob(".shard-1.safetensors.tmp-*")) or shard.exists()
+
     if seed % 2 == 0:
-        ready = lambda: any(results.glob(".shard-1.safetensors.tmp-*"))  # noqa: E731
-        delay = rng.uniform(0.0, 0.05)
+        ready, delay = writing, rng.uniform(0.0, 0.05)
     else:
-        ready = lambda: True  # noqa: E731
-        delay = rng.uniform(0.5, 3.5)
+        ready, delay = (lambda: True), rng.uniform(0.5, 3.5)
     assert kill_when(start(["bash", "-c", job], cwd=root), ready, delay), "finished first"
     rerun = subprocess.run(
         ["bash", "-c", job], cwd=root, env=job_env(), capture_output=True, text=True
