@@ -5,7 +5,7 @@ trained from the identical hidden states and vocab map, scored by the same offli
     .venv/bin/python bench/quality_parity.py --run-dir /tmp/fresh_demo/results/demo \\
         --config /tmp/fresh_demo/config.yaml --work /tmp/quality_parity --seeds 42 43
 
-    # a tiny locally built verifier end to end (about a minute on 2 CPU cores)
+    # a tiny locally built verifier end to end (about 80 s on 2 CPU cores)
     .venv/bin/python bench/quality_parity.py --smoke
 
 For a finished workflow run (``results/<run>``) and its config this
@@ -23,9 +23,10 @@ For a finished workflow run (``results/<run>``) and its config this
    the workflow's train rule runs it (and exports the checkpoint);
 3. trains (b) with speculators' real CLI entry, ``speculators.train.cli.main(
    TrainConfig.resolve(argv))``, with the same hyper-parameters, plus what a CPU needs
-   (``eagle3lib.train.cpu_trainer_patches()``, sdpa attention, eager loss, fp32, no loader
-   workers, ``--on-missing raise``); its final epoch is exported with
-   ``eagle3lib.checkpoint.export``;
+   (``eagle3lib.train.cpu_trainer_patches()``, and the attention, loss and dtype our stage
+   resolves on this machine: sdpa, eager, float32 on a CPU, where the CLI's default bfloat16
+   would run without autocast; no loader workers; ``--on-missing raise``); everything else is
+   the CLI's default. Its final epoch is exported with ``eagle3lib.checkpoint.export``;
 4. evaluates both checkpoints with ``eagle3lib.evaluate.evaluate`` on the held-out prompts and
    settings of the workflow's evaluate rule (as ``scripts/evaluate.py`` does);
 5. repeats for every seed; prints a table and ``key = value`` lines and writes a JSON.

@@ -628,12 +628,12 @@ def train(
         cfg.seed,
         cfg.loader_workers,
     )
-    val_loader = make_loader(
-        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),
-        cfg.total_seq_len,
+    val_loader = make_loader(  # packed with seed 0 as speculators' CLI does: the same
+        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),  # validation batches
+        cfg.total_seq_len,  # for every seed, so validation losses compare across runs
         hidden,
         len(aux),
-        cfg.seed,
+        0,
         cfg.loader_workers,
     )
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
