@@ -507,9 +507,10 @@ def save_state_losslessly(checkpointer) -> None:
 
     speculators converts the weights and the whole optimiser state to bf16 when it saves, the
     Adam step counter included: the counter then rounds above 256 and a resumed run's weights
-    and moments differ from the uninterrupted run's. In fp32 (the training precision; bf16 is
-    only autocast) a run killed and resumed ends with the bytes of one that was not. The
-    exported checkpoint is still bf16 (checkpoint.export)."""
+    and moments differ from the uninterrupted run's. fp32 holds every value the trainer keeps
+    exactly (its weights and optimiser state are fp32 or bf16; bf16 compute is autocast), so a
+    run killed and resumed ends with the bytes of one that was not. The exported checkpoint is
+    still bf16 (checkpoint.export)."""
     checkpointer.save_checkpoint = functools.partial(
         checkpointer.save_checkpoint, float_dtype=torch.float32
     )
@@ -628,9 +629,11 @@ def train(
         cfg.seed,
         cfg.loader_workers,
     )
-    val_loader = make_loader(  # packed with seed 0 as speculators' CLI does: the same
-        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),  # validation batches
-        cfg.total_seq_len,  # for every seed, so validation losses compare across runs
+    # Validation is packed with seed 0, as speculators' CLI does: the same batches for every
+    # seed, so validation losses compare across runs and with the CLI's.
+    val_loader = make_loader(
+        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),
+        cfg.total_seq_len,
         hidden,
         len(aux),
         0,
