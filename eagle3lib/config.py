@@ -144,10 +144,17 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvaluateConfig:
-    k: int = 3
+    k: int | list[int] = 3
     max_new_tokens: int = 256
+    method: str = "decode"
+    batch_size: int = 16
     dtype: str = "auto"
     gpus: int = 0
+
+    @property
+    def k_values(self) -> list[int]:
+        """Every k to evaluate; the first is the headline (and serve_check's)."""
+        return [self.k] if isinstance(self.k, int) else list(self.k)
 
 
 def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:

@@ -3,8 +3,18 @@
 Per verifier step the draft proposes k tokens, the verifier scores [last token, proposals]
 in one forward, the longest agreeing prefix is accepted and the verifier's own next token is
 added (the bonus). Acceptance length = 1 + accepted / steps (vLLM's definition); per-position
-acceptance j = steps whose first j proposals were all accepted / steps. Output tokens are the
-verifier's greedy tokens by construction, and are checked against plain greedy decoding.
+acceptance j = steps whose first j proposals were all accepted / steps. A step ends at an
+accepted end-of-sequence token (later proposals are not counted) and decoding stops there.
+
+Two methods give the same counts:
+- ``decode`` runs that loop, one prompt at a time, and checks the text against plain greedy
+  decoding (the output of greedy speculative decoding is the verifier's greedy text).
+- ``replay`` uses that fact: it decodes all prompts greedily with the verifier (batched
+  ``generate``), runs one teacher-forced verifier forward and one draft forward of max(k) TTT
+  steps per prompt, and replays the loop on the result. The draft's step-j proposal at a
+  position only matters when its proposals 1..j-1 were accepted, i.e. equal to the verifier's
+  tokens, which is exactly what teacher forcing feeds it; so every k costs one pass. It reports
+  how often the teacher-forced verifier argmax agrees with the generated tokens (numerics).
 
 Draft proposals come from speculators' own ``Eagle3DraftModel.forward``: call j (ttt_steps=j)
 teacher-forces the proposals found so far, so the draft runs exactly as it was trained.
@@ -57,6 +67,23 @@ class Drafter:
             ids = torch.cat([ids, nxt.view(1)])
         return proposals
 
+    @torch.no_grad()
+    def predict_all(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """[steps, n]: step j's proposal at every position of a known sequence, teacher-forced.
+
+        aux: [n, n_aux * hidden] for x_0..x_{n-1}; tokens: x_0..x_n. Row j, column i is the
+        proposal for x_{i+2+j} after context x_0..x_{i+1}, given that x_{i+2}..x_{i+1+j} were
+        proposed before it (what ``propose`` computes when those were accepted).
+        """
+        n = aux.shape[0]
+        draft_tokens = self.draft(
+            hidden_states=aux[None],
+            input_ids=tokens[1:][None],
+            document_ids=torch.zeros(1, n, dtype=torch.long, device=aux.device),
+            ttt_steps=steps,
+        )
+        return torch.stack([self.to_verifier_ids(t[0]) for t in draft_tokens])
+
 
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
@@ -94,14 +121,15 @@ def speculative_decode(
     tokens = torch.tensor(prompt + [int(logits[0, -1].argmax())], device=device)
     accepted_per_step: list[int] = []
     out: list[int] = [int(tokens[-1])]
-    while len(out) < max_new_tokens and out[-1] not in eos:
+    done = out[-1] in eos
+    while len(out) < max_new_tokens and not done:
         proposals = drafter.propose(aux.to(drafter.dtype), tokens, k)
         block = torch.tensor([[int(tokens[-1]), *proposals]], device=device)
         logits = model(input_ids=block, past_key_values=cache, use_cache=True).logits[0]
         verified = logits.argmax(-1).tolist()  # verifier's token after each block position
         states = capture.stacked()[0, :, :-1].flatten(1)
         a = 0
-        while a < k and proposals[a] == verified[a]:
+        while a < k and proposals[a] == verified[a] and (a == 0 or proposals[a - 1] not in eos):
             a += 1
         accepted_per_step.append(a)
         new = proposals[:a] + [verified[a]]
@@ -110,7 +138,66 @@ def speculative_decode(
             cache.crop(a - k)
         tokens = torch.cat([tokens, torch.tensor(new, device=device)])
         out += new
+        done = any(t in eos for t in new)
     return {"tokens": until_eos(out, eos, max_new_tokens), "accepted": accepted_per_step}
+
+
+def chain_runs(predictions: torch.Tensor, tokens: torch.Tensor, eos: set[int]) -> list[int]:
+    """Accepted proposals at every position: the leading steps j whose proposal equals the
+    verifier's token x_{i+2+j}, ending after an accepted end-of-sequence token.
+
+    predictions: [k, n] from ``Drafter.predict_all``; tokens: x_0..x_n (n + 1 ids).
+    """
+    k, n = predictions.shape
+    padded = torch.cat([tokens, tokens.new_full((k + 1,), -1)])  # past the end nothing matches
+    target = torch.stack([padded[j + 2 : j + 2 + n] for j in range(k)])
+    ok = predictions == target
+    if eos:
+        is_eos = torch.isin(padded, torch.tensor(sorted(eos), device=padded.device))
+        for j in range(1, k):  # step j counts only if step j-1's accepted token was not EOS
+            ok[j] &= ~is_eos[j + 1 : j + 1 + n]
+    return ok.int().cumprod(0).sum(0).tolist()
+
+
+def replay_steps(
+    runs: list[int], tokens: list[int], prompt_len: int, k: int, max_new_tokens: int, eos: set[int]
+) -> tuple[list[int], list[int]]:
+    """The decode loop replayed on a known greedy sequence: (accepted per step, output tokens).
+
+    runs: ``chain_runs`` of max(k) steps; tokens: the prompt and at least max_new_tokens + k + 1
+    greedy tokens (or up to the first end-of-sequence token).
+    """
+    out = [tokens[prompt_len]]
+    i = prompt_len - 1  # the draft position whose proposals follow the newest token
+    accepted: list[int] = []
+    done = out[-1] in eos
+    while len(out) < max_new_tokens and not done:
+        a = min(runs[i], k)
+        accepted.append(a)
+        new = tokens[i + 2 : i + 3 + a]
+        out += new
+        i += a + 1
+        done = any(t in eos for t in new)
+    return accepted, until_eos(out, eos, max_new_tokens)
+
+
+@torch.no_grad()
+def replay_prompt(
+    model, capture: Capture, drafter: Drafter, tokens: list[int], prompt_len: int, steps: int
+) -> tuple[torch.Tensor, int, int]:
+    """One teacher-forced verifier forward and one draft forward over a greedy sequence.
+
+    Returns (the draft's predictions [steps, n], positions where the verifier's argmax differs
+    from the given tokens, positions compared).
+    """
+    device = input_device(model)
+    x = torch.tensor(tokens, device=device)
+    logits = model(input_ids=x[None, :-1]).logits[0]
+    aux = capture.stacked()[0, :, :-1].flatten(1)
+    argmax = logits[prompt_len - 1 :].argmax(-1)
+    disagree = int((argmax != x[prompt_len:]).sum())
+    predictions = drafter.predict_all(aux.to(drafter.dtype), x, steps)
+    return predictions, disagree, len(tokens) - prompt_len
 
 
 def acceptance_stats(accepted: list[int], k: int) -> dict[str, Any]:
@@ -125,57 +212,161 @@ def acceptance_stats(accepted: list[int], k: int) -> dict[str, Any]:
     }
 
 
+def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str, Any]:
+    per_prompt, all_accepted, mismatches = [], [], 0
+    for n, prompt in enumerate(prompts, 1):
+        t = time.perf_counter()
+        result = speculative_decode(
+            model, capture, drafter, prompt["token_ids"], k, cfg.max_new_tokens, eos
+        )
+        spec_seconds = time.perf_counter() - t
+        capture.states.clear()
+        reference = greedy_reference(model, prompt["token_ids"], cfg.max_new_tokens, eos)
+        capture.states.clear()
+        match = result["tokens"] == reference
+        mismatches += not match
+        stats = acceptance_stats(result["accepted"], k)
+        all_accepted += result["accepted"]
+        per_prompt.append(
+            {
+                "id": prompt["id"],
+                "new_tokens": len(result["tokens"]),
+                "matches_verifier": match,
+                "seconds": round(spec_seconds, 3),
+                **{key: stats[key] for key in ("steps", "acceptance_length")},
+                "tokens": result["tokens"],
+            }
+        )
+        log(
+            f"evaluate: k={k} prompt {n}/{len(prompts)} id={prompt['id']} "
+            f"acceptance_length={fmt(stats['acceptance_length'])} match={match}"
+        )
+    return {
+        **acceptance_stats(all_accepted, k),
+        "text_matches_verifier": mismatches == 0,
+        "mismatched_prompts": mismatches,
+        "per_prompt": per_prompt,
+    }
+
+
+def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) -> list[dict]:
+    from eagle3lib.regenerate import RegenerateConfig, hf_generate
+
+    steps = max(ks)
+    t = time.perf_counter()
+    generate = hf_generate(
+        model,
+        tokenizer,
+        RegenerateConfig(max_new_tokens=cfg.max_new_tokens + steps + 1, batch_size=cfg.batch_size),
+    )
+    generated = generate([p["token_ids"] for p in prompts])
+    capture.states.clear()
+    log(f"evaluate: greedy decoding of {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
+    accepted: dict[int, list[int]] = {k: [] for k in ks}
+    per_prompt, disagree, compared = [], 0, 0
+    for n, (prompt, new) in enumerate(zip(prompts, generated, strict=True), 1):
+        tokens = prompt["token_ids"] + new
+        predictions, wrong, total = replay_prompt(
+            model, capture, drafter, tokens, len(prompt["token_ids"]), steps
+        )
+        disagree, compared = disagree + wrong, compared + total
+        runs = chain_runs(predictions, torch.tensor(tokens, device=predictions.device), eos)
+        record = {"id": prompt["id"], "argmax_disagreements": wrong}
+        for k in ks:
+            steps_k, out = replay_steps(
+                runs, tokens, len(prompt["token_ids"]), k, cfg.max_new_tokens, eos
+            )
+            accepted[k] += steps_k
+            stats = acceptance_stats(steps_k, k)
+            record[f"k{k}"] = {
+                "steps": stats["steps"],
+                "acceptance_length": stats["acceptance_length"],
+            }
+        record |= {"new_tokens": len(out), "tokens": out}
+        per_prompt.append(record)
+        if n % 20 == 0 or n == len(prompts):
+            log(f"evaluate: replayed {n}/{len(prompts)} prompts")
+    results = []
+    for k in ks:
+        results.append(
+            {
+                **acceptance_stats(accepted[k], k),
+                "text_matches_verifier": None,  # greedy by construction: not checked
+                "mismatched_prompts": None,
+                "argmax_agreement": 1 - disagree / compared if compared else None,
+                "per_prompt": [
+                    {
+                        "id": r["id"],
+                        **r[f"k{k}"],
+                        "new_tokens": r["new_tokens"],
+                        "argmax_disagreements": r["argmax_disagreements"],
+                        "tokens": r["tokens"],
+                    }
+                    for r in per_prompt
+                ],
+            }
+        )
+    return results
+
+
 def evaluate(
-    model, draft, tokenizer, prompts: list[dict[str, Any]], cfg, aux_layers, log=print
+    model, draft, tokenizer, eval_sets: list[dict[str, Any]], cfg, aux_layers, log=print
 ) -> dict[str, Any]:
-    """Acceptance over all prompts, and whether the text equals verifier-only greedy output."""
+    """Acceptance for every eval set and every k (``cfg.k_values``).
+
+    eval_sets: [{"name", "prompts": [{"id", "token_ids", ...}]}]. The first set at the first k
+    is the headline: its fields are also at the top level, with its per-prompt records.
+    """
     from eagle3lib.verifier import decoder_layers
 
     eos = eos_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
     capture = Capture(decoder_layers(model), aux_layers)
     drafter = Drafter(draft)
-    per_prompt, all_accepted, mismatches = [], [], 0
+    ks = cfg.k_values
+    results = []
     t0 = time.perf_counter()
     try:
-        for n, prompt in enumerate(prompts, 1):
+        for eval_set in eval_sets:
             t = time.perf_counter()
-            result = speculative_decode(
-                model, capture, drafter, prompt["token_ids"], cfg.k, cfg.max_new_tokens, eos
-            )
-            spec_seconds = time.perf_counter() - t
-            capture.states.clear()
-            reference = greedy_reference(model, prompt["token_ids"], cfg.max_new_tokens, eos)
-            capture.states.clear()
-            match = result["tokens"] == reference
-            mismatches += not match
-            stats = acceptance_stats(result["accepted"], cfg.k)
-            all_accepted += result["accepted"]
-            per_prompt.append(
-                {
-                    "id": prompt["id"],
-                    "new_tokens": len(result["tokens"]),
-                    "matches_verifier": match,
-                    "seconds": round(spec_seconds, 3),
-                    **{key: stats[key] for key in ("steps", "acceptance_length")},
-                }
-            )
-            log(
-                f"evaluate: prompt {n}/{len(prompts)} id={prompt['id']} "
-                f"acceptance_length={fmt(stats['acceptance_length'])} match={match}"
-            )
-            if n == 1:
-                per_prompt[-1]["text"] = tokenizer.decode(
-                    result["tokens"], skip_special_tokens=True
+            if cfg.method == "replay":
+                runs = _replay_set(
+                    model, tokenizer, capture, drafter, eval_set["prompts"], ks, cfg, eos, log
+                )
+            else:
+                runs = [
+                    _decode_set(model, capture, drafter, eval_set["prompts"], k, cfg, eos, log)
+                    for k in ks
+                ]
+            seconds = round(time.perf_counter() - t, 2)
+            for run in runs:
+                results.append(
+                    {
+                        "eval_set": eval_set["name"],
+                        "prompts": len(eval_set["prompts"]),
+                        **run,
+                        "seconds": seconds,
+                    }
+                )
+                log(
+                    f"evaluate: {eval_set['name']} k={run['k']} acceptance_length="
+                    f"{fmt(run['acceptance_length'])} per position "
+                    + ", ".join(f"{p:.3f}" for p in run["per_position_acceptance"])
                 )
     finally:
         capture.remove()
-    total = acceptance_stats(all_accepted, cfg.k)
+    headline = dict(results[0])
+    per_prompt = headline.pop("per_prompt")
+    for record in per_prompt[1:]:
+        record.pop("tokens")
+    if per_prompt:
+        per_prompt[0]["text"] = tokenizer.decode(
+            per_prompt[0].pop("tokens"), skip_special_tokens=True
+        )
     return {
-        **total,
-        "prompts": len(prompts),
+        **headline,
+        "method": cfg.method,
         "max_new_tokens": cfg.max_new_tokens,
-        "text_matches_verifier": mismatches == 0,
-        "mismatched_prompts": mismatches,
         "seconds": round(time.perf_counter() - t0, 2),
+        "results": [{k: v for k, v in r.items() if k != "per_prompt"} for r in results],
         "per_prompt": per_prompt,
     }

@@ -128,7 +128,7 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
         )
     if summary["acceptance_length"] is None:
         problems.append("acceptance: no verifier step was measured (raise evaluate.max_new_tokens)")
-    if not summary["text_matches_verifier"]:
+    if summary["text_matches_verifier"] is False:  # None: replay, greedy by construction
         problems.append(
             f"acceptance: {summary['acceptance']['mismatched_prompts']} prompt(s) decoded "
             "differently from verifier-only greedy decoding"
@@ -200,6 +200,31 @@ def trust_note(verifier: dict[str, Any]) -> str:
     return f"; `verifier.trust_remote_code: true` ({ran})"
 
 
+def text_check(summary: dict[str, Any]) -> str:
+    if summary["text_matches_verifier"] is None:
+        agreement = summary["acceptance"].get("argmax_agreement")
+        return f"not checked (replay; verifier argmax agreement {fmt(agreement, 4)})"
+    return str(summary["text_matches_verifier"])
+
+
+def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
+    """[eval set, k, acceptance length, per-position acceptance, prompts, steps] per result."""
+    return [
+        [
+            r["eval_set"],
+            r["k"],
+            fmt(r["acceptance_length"], 4),
+            ", ".join(f"{p:.3f}" for p in r["per_position_acceptance"]),
+            r["prompts"],
+            r["steps"],
+        ]
+        for r in summary["acceptance"].get("results", [])
+    ]
+
+
+ACCEPTANCE_HEADERS = ["eval set", "k", "acceptance length", "per position", "prompts", "steps"]
+
+
 def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
     acc = summary["acceptance"]
     per_pos = ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"])
@@ -215,13 +240,23 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
         f"| per-position acceptance | {per_pos} |",
         f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
-        f"| text equals verifier-only greedy | {summary['text_matches_verifier']} |",
+        f"| text equals verifier-only greedy | {text_check(summary)} |",
         f"| checkpoint valid | {summary['checkpoint_valid']} |",
         f"| training samples kept / dropped | {summary['data']['samples']} / {sum(summary['data']['dropped'].values())} |",
         f"| hidden-state tokens / bytes | {summary['hidden_states']['tokens']} / {summary['hidden_states']['bytes']:,} |",
         f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",
         "",
     ]
+    rows = acceptance_rows(summary)
+    if len(rows) > 1:
+        lines += [
+            f"## Offline acceptance ({summary['acceptance'].get('method', 'decode')})",
+            "",
+            "| " + " | ".join(ACCEPTANCE_HEADERS) + " |",
+            "|" + "---|" * len(ACCEPTANCE_HEADERS),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+            "",
+        ]
     if summary.get("vllm"):
         v = summary["vllm"]
         diff = v.get("offline_vs_vllm_relative_difference")
@@ -318,10 +353,14 @@ def html_tables(summary: dict[str, Any]) -> str:
                         ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"]),
                         acc["prompts"],
                         acc["steps"],
-                        summary["text_matches_verifier"],
+                        text_check(summary),
                     ]
                 ],
             ),
+        ),
+        (
+            "Offline acceptance per eval set and k",
+            _table(ACCEPTANCE_HEADERS, acceptance_rows(summary)),
         ),
         (
             "Seconds per job",

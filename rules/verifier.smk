@@ -16,5 +16,6 @@ rule verifier:
         verifier=section("verifier"),
         hf_dir=VERIFIER_HF,
     shell:
-        "python {input.script} --verifier {params.verifier:q} --hf-dir {params.hf_dir}"
+        CPU_ONLY
+        + "python {input.script} --verifier {params.verifier:q} --hf-dir {params.hf_dir}"
         " --out {output.record} --provenance {output.provenance} > {log} 2>&1"

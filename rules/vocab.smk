@@ -16,7 +16,7 @@ rule vocab:
     params:
         draft_vocab_size=config["train"]["draft_vocab_size"],
     shell:
-        "python {input.script} --samples {input.samples}"
+        CPU_ONLY + "python {input.script} --samples {input.samples}"
         " --draft-vocab-size {params.draft_vocab_size}"
         " --out-map {output.vocab_map} --out-info {output.info}"
         " --provenance {output.provenance} > {log} 2>&1"

@@ -18,8 +18,9 @@ def main() -> None:
     p.add_argument("--verifier", type=Path, required=True)
     p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
     p.add_argument("--manifest", type=Path, required=True, help="a shard manifest (layer ids)")
-    p.add_argument("--prompts", type=Path, required=True)
-    p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
+    p.add_argument(
+        "--eval-sets", required=True, help="JSON [{name, path, max_prompts}], headline first"
+    )
     p.add_argument("--evaluate", required=True, help="the config's evaluate section as JSON")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
@@ -39,16 +40,20 @@ def main() -> None:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = verifier.load_tokenizer(record)
-    prompts = data.read_eval_prompts(a.prompts, a.max_prompts or None)
-    for prompt in prompts:
-        prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
+    eval_sets = json.loads(a.eval_sets)
+    for eval_set in eval_sets:
+        eval_set["prompts"] = data.read_eval_prompts(
+            Path(eval_set["path"]), eval_set["max_prompts"]
+        )
+        for prompt in eval_set["prompts"]:
+            prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
     draft = checkpoint.load_draft(a.config.parent, record["load_path"], "sdpa", dtype).to(device)
     result = evaluate.evaluate(
         model,
         draft,
         tokenizer,
-        prompts,
+        eval_sets,
         cfg,
         aux,
         log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -62,7 +67,7 @@ def main() -> None:
         provenance.write(
             a.provenance,
             "evaluate",
-            {**json.loads(a.evaluate), "max_prompts": a.max_prompts},
+            {**json.loads(a.evaluate), "eval_sets": json.loads(a.eval_sets)},
             a.verifier,
             None,
         )

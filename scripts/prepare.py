@@ -18,7 +18,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True)
     p.add_argument("--train", type=Path, required=True)
-    p.add_argument("--eval", type=Path, required=True, help="held-out prompts to exclude")
+    p.add_argument(
+        "--eval", type=Path, nargs="+", required=True, help="held-out prompt files to exclude"
+    )
     p.add_argument("--data", required=True, help="the config's data section as JSON")
     p.add_argument("--out-samples", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
@@ -28,7 +30,11 @@ def main() -> None:
     cfg = from_dict(PrepareConfig, {**section, **section["train"]})
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
-    held_out = {data.normalize_prompt_text(x["text"]) for x in data.read_eval_prompts(a.eval, None)}
+    held_out = {
+        data.normalize_prompt_text(x["text"])
+        for path in a.eval
+        for x in data.read_eval_prompts(path, None)
+    }
     prepared = data.prepare_samples(tokenizer, a.train, cfg, exclude_prompts=held_out)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])
     write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
+from eagle3lib.config import EvaluateConfig, from_dict
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
 
@@ -55,7 +56,7 @@ def main() -> None:
         record["load_path"],
         checkpoint,
         prompts,
-        evaluate["k"],
+        from_dict(EvaluateConfig, evaluate).k_values[0],
         evaluate["max_new_tokens"],
         engine,
         a.server_log,

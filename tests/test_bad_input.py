@@ -268,7 +268,7 @@ class Env:
             "--verifier", self.w.record_path,
             "--config", ckpt / "config.json",
             "--manifest", manifest,
-            "--prompts", self.w.evals,
+            "--eval-sets", json.dumps([{"name": "eval", "path": str(self.w.evals), "max_prompts": None}]),
             "--evaluate", json.dumps({"k": 2, "max_new_tokens": 4}),
             "--out", self.out / "acceptance.json",
         )  # fmt: skip

@@ -61,7 +61,7 @@ def test_speculative_output_equals_greedy_decoding(draft, verifier_model, tokeni
         verifier_model,
         draft,
         tokenizer,
-        prompts(tokenizer),
+        [{"name": "eval", "prompts": prompts(tokenizer)}],
         EvaluateConfig(k=3, max_new_tokens=24),
         AUX,
         log=lambda m: None,
@@ -138,9 +138,69 @@ def test_bf16_evaluation_runs_the_draft_in_its_own_dtype(pipeline, verifier_mode
         model,
         draft,
         tokenizer,
-        prompts(tokenizer, 1),
+        [{"name": "eval", "prompts": prompts(tokenizer, 1)}],
         EvaluateConfig(k=2, max_new_tokens=6),
         AUX,
         log=lambda m: None,
     )
     assert result["steps"] > 0 and result["k"] == 2
+
+
+def test_chain_runs_count_leading_matches_and_stop_after_an_accepted_eos():
+    tokens = torch.tensor([10, 11, 12, 13, 14, 2, 16])  # x_0..x_6; 2 is end-of-sequence
+    # predictions[j, i] is the proposal for x_{i+2+j}
+    predictions = torch.tensor(
+        [
+            [12, 13, 0, 2, 16, 0],  # step 0: right at i = 0, 1, 3, 4
+            [13, 14, 2, 16, 0, 0],  # step 1: right at i = 0, 1, 3 (x_5 = 2, then x_6 = 16)
+            [14, 2, 16, 0, 0, 0],  # step 2: right at i = 0, 1; i = 2's x_6 follows a rejection
+        ]
+    )
+    assert evaluate.chain_runs(predictions, tokens, set()) == [3, 3, 0, 2, 1, 0]
+    # with 2 as EOS: i = 1 accepts x_3, x_4 then x_5 = EOS, i = 3 accepts x_5 = EOS and stops
+    assert evaluate.chain_runs(predictions, tokens, {2}) == [3, 3, 0, 1, 1, 0]
+
+
+def test_replay_steps_walk_the_decode_loop():
+    prompt = [7, 8]
+    tokens = prompt + [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    runs = [0, 2, 9, 0, 1, 3, 0, 0, 0, 0, 0]  # indexed by draft position i (x_{i+1} is newest)
+    accepted, out = evaluate.replay_steps(runs, tokens, 2, k=3, max_new_tokens=8, eos=set())
+    # i=1: 2 accepted (+bonus) -> i=4: 1 -> i=6: 0 -> i=7: 0; 1+3+2+1+1 = 8 tokens
+    assert accepted == [2, 1, 0, 0] and out == tokens[2:10]
+    accepted, _ = evaluate.replay_steps(runs, tokens, 2, k=1, max_new_tokens=8, eos=set())
+    assert accepted == [1, 0, 1, 0, 0]  # capped at k = 1: i=1 -> 3 -> 4 -> 6 -> 7
+    accepted, out = evaluate.replay_steps(runs, tokens, 2, k=3, max_new_tokens=8, eos={23})
+    assert accepted == [2] and out == [20, 21, 22, 23]  # the first step reaches the EOS token
+
+
+def test_replay_gives_the_decode_loops_counts(draft, verifier_model, tokenizer):
+    """Same prompts, same draft: the batched replay equals speculative decoding for every k."""
+    sets = [
+        {"name": "a", "prompts": prompts(tokenizer, 2)},
+        {"name": "b", "prompts": prompts(tokenizer, 3)[2:]},
+    ]
+    results = {}
+    for method in ("decode", "replay"):
+        cfg = EvaluateConfig(k=[3, 1, 5], max_new_tokens=20, method=method, batch_size=2)
+        results[method] = evaluate.evaluate(
+            verifier_model, draft, tokenizer, sets, cfg, AUX, log=lambda m: None
+        )
+    decode, replay = results["decode"], results["replay"]
+    keys = ("eval_set", "k", "prompts", "steps", "accepted_tokens", "per_position_acceptance")
+    assert [[r[k] for k in keys] for r in replay["results"]] == [
+        [r[k] for k in keys] for r in decode["results"]
+    ]
+    assert [(r["eval_set"], r["k"]) for r in replay["results"]] == [
+        ("a", 3),
+        ("a", 1),
+        ("a", 5),
+        ("b", 3),
+        ("b", 1),
+        ("b", 5),
+    ]
+    assert sum(r["accepted_tokens"] for r in replay["results"]) > 0  # a test that can fail
+    assert decode["text_matches_verifier"] is True and replay["text_matches_verifier"] is None
+    assert replay["argmax_agreement"] == 1.0
+    assert replay["per_prompt"][0]["text"] == decode["per_prompt"][0]["text"]
+    assert replay["k"] == 3 and replay["eval_set"] == "a" and replay["method"] == "replay"

@@ -172,13 +172,15 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
         {"id": str(i), "token_ids": data.prompt_token_ids(tokenizer, text)}
         for i, text in enumerate(["Tell me about the draft model", "Why is decoding fast"])
     ]
-    result = evaluate.evaluate(
-        model,
-        draft,
-        tokenizer,
-        prompts,
-        EvaluateConfig(k=2, max_new_tokens=10),
-        AUX,
-        log=lambda m: None,
-    )
+    sets = [{"name": "eval", "prompts": prompts}]
+    result, replayed = (
+        evaluate.evaluate(
+            model, draft, tokenizer, sets, EvaluateConfig(k=2, max_new_tokens=10, method=m), AUX,
+            log=lambda m: None,
+        )
+        for m in ("decode", "replay")
+    )  # fmt: skip
     assert result["text_matches_verifier"] is True and result["steps"] > 0
+    assert [replayed[k] for k in ("steps", "accepted_tokens")] == [
+        result[k] for k in ("steps", "accepted_tokens")
+    ]

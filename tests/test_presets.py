@@ -24,3 +24,34 @@ def test_preset_plans_every_stage_with_its_gpus(preset, tmp_path):
     assert f"gpu={config['train']['gpus']}" in train_block
     extract_blocks = re.findall(r"rule extract:.*?(?:\n\n|\Z)", out, flags=re.S)
     assert all(f"gpu={config['extract']['gpus_per_job']}" in b for b in extract_blocks)
+
+
+@pytest.mark.slow
+def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
+    """configs/smollm2-gpu.yaml end to end on the CPU, cut by configs/overlays/cpu-slice.yaml:
+    the real verifier, regeneration, both eval sets (MT-bench, HumanEval) at k = 3 and 5."""
+    import json
+
+    preset = ROOT / "configs" / "smollm2-gpu.yaml"
+    overlay = ROOT / "configs" / "overlays" / "cpu-slice.yaml"
+    proc = run_snakemake(tmp_path, None, "--configfile", str(preset), str(overlay))
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts["regenerate"] == counts["train"] == counts["evaluate"] == 1
+    assert "serve_check" not in counts
+    results = tmp_path / "results" / "smollm2-cpu-slice"
+    regenerated = json.loads((results / "regenerated" / "regenerate.json").read_text())
+    assert regenerated["conversations_in"] == 6 and regenerated["chunks"] == 2
+    acceptance = json.loads((results / "reports" / "acceptance.json").read_text())
+    assert acceptance["method"] == "replay" and acceptance["eval_set"] == "mtbench"
+    assert [(r["eval_set"], r["k"], r["prompts"]) for r in acceptance["results"]] == [
+        ("mtbench", 3, 2),
+        ("mtbench", 5, 2),
+        ("humaneval", 3, 2),
+        ("humaneval", 5, 2),
+    ]
+    for r in acceptance["results"]:
+        assert r["steps"] > 0 and 1.0 <= r["acceptance_length"] <= 1 + r["k"]
+        assert len(r["per_position_acceptance"]) == r["k"]
+    summary = (results / "reports" / "summary.md").read_text()
+    assert "| humaneval | 5 |" in summary  # the report's table of every eval set and k
+    assert json.loads((results / "reports" / "summary.json").read_text())["valid"] is True

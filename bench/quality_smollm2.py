@@ -1,0 +1,248 @@
+"""The SmolLM2-135M-Instruct quality run (configs/smollm2-gpu.yaml): smoke test and results table.
+
+    python bench/quality_smollm2.py smoke --out DIR    # the preset's GPU settings on a tiny
+                                                       # random verifier: every stage, minutes
+    python bench/quality_smollm2.py table --out DIR    # BENCHMARKS rows from finished runs
+
+The runs themselves are plain workflow runs (one per GPU when there are two):
+
+    snakemake --configfile configs/smollm2-gpu.yaml --cores 16 --resources gpu=1
+    snakemake --configfile configs/smollm2-gpu.yaml configs/overlays/no-regen.yaml \
+        --cores 16 --resources gpu=1
+
+``table`` reads results/<run>/reports/{summary,acceptance}.json of both and prints acceptance
+per eval set and k, time and disk per stage, and ``quality.smollm2.*`` key = value lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = {"": "smollm2-gpu", "_no_regen": "smollm2-gpu-no-regen"}
+
+
+def python_on_path(work: Path) -> dict[str, str]:
+    """The environment with this interpreter as ``python`` (the rules call ``python``): its
+    folder first (a venv's), else a link named python (an image with only python3)."""
+    import os
+
+    dirs = [str(Path(sys.executable).parent)]
+    if not (Path(sys.executable).parent / "python").exists():
+        bin_dir = work / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        if not (bin_dir / "python").exists():
+            (bin_dir / "python").symlink_to(sys.executable)
+        dirs.insert(0, str(bin_dir))
+    return {**os.environ, "PATH": os.pathsep.join([*dirs, os.environ.get("PATH", "")])}
+
+
+def smoke(out: Path, gpus: int = 1) -> int:
+    """The preset's GPU-specific settings (regeneration, GPU leases, replay over two sets and
+    two k) on the tests' tiny verifier, through a real snakemake run."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tiny
+    import yaml
+
+    work = out / "smoke"
+    work.mkdir(parents=True, exist_ok=True)
+    verifier = tiny.build_verifier(work / "tiny-llama", hidden=128, heads=2, kv_heads=2)
+    train = tiny.write_jsonl(work / "train.jsonl", tiny.conversations(64, seed=7))
+    evals = tiny.write_jsonl(
+        work / "eval.jsonl",
+        [{"question_id": i, "turns": [f"Question {i} about models"]} for i in range(8)],
+    )
+    human = tiny.write_jsonl(
+        work / "code.jsonl", [{"task_id": f"T/{i}", "prompt": f"def f{i}(x):\n"} for i in range(8)]
+    )
+    preset = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
+    for section in preset.values():  # --cpu: the same settings without GPU leases
+        if isinstance(section, dict):
+            for key in ("gpus", "gpus_per_job"):
+                if key in section:
+                    section[key] = gpus
+    config = tiny.write_config(
+        work / "config.yaml",
+        "smoke",
+        verifier,
+        train,
+        evals,
+        data={
+            "train": {"path": str(train)},
+            "eval": {"name": "mtbench", "path": str(evals)},
+            "extra_eval": [{"name": "humaneval", "path": str(human)}],
+            "max_length": 256,
+        },
+        regenerate={**preset["regenerate"], "max_new_tokens": 24, "chunk_size": 32},
+        extract={**preset["extract"], "shards": 2},
+        train={"epochs": 2, "total_seq_len": 512, "draft_vocab_size": 256, "gpus": gpus},
+        evaluate={**preset["evaluate"], "max_new_tokens": 32},
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(ROOT / "Snakefile"),
+            "--directory",
+            str(work),
+            "--configfile",
+            str(config),
+            "--cores",
+            "8",
+            "--resources",
+            f"gpu={gpus}",
+        ],
+        capture_output=True,
+        text=True,
+        env=python_on_path(work),
+    )
+    (out / "smoke_snakemake.log").write_text(proc.stdout + proc.stderr)
+    print(f"smoke: snakemake exit {proc.returncode} in {time.perf_counter() - t0:.0f} s")
+    if proc.returncode:
+        print((proc.stdout + proc.stderr)[-4000:])
+        for log in sorted((work / "results" / "smoke" / "logs").glob("*.log")):
+            print(f"--- {log.name}\n{log.read_text()[-1500:]}")
+        return proc.returncode
+    acceptance = json.loads((work / "results/smoke/reports/acceptance.json").read_text())
+    for r in acceptance["results"]:
+        print(f"smoke: {r['eval_set']} k={r['k']} acceptance_length={r['acceptance_length']:.3f}")
+    summary = json.loads((work / "results/smoke/reports/summary.json").read_text())
+    print("smoke: seconds per job", json.dumps(summary["seconds_per_job"]))
+    print("smoke: problems", summary["problems"])
+    return 0
+
+
+def generate_speed() -> None:
+    """HF batched generate of a random model of SmolLM2-135M's shape, left-padded prompts of
+    mixed length as regeneration sends them: seconds per decode step with the dynamic KV cache
+    (what regenerate uses), a static cache, and a static cache with generate's auto-compile."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=100000,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    variants = {
+        "dynamic": {},
+        "static": {"cache_implementation": "static", "disable_compile": True},
+        "static+compile": {"cache_implementation": "static"},
+    }
+    for batch, width, new in ((2048, 512, 256), (512, 512, 256)):
+        lengths = torch.randint(64, width + 1, (batch,))
+        ids = torch.randint(100, 49000, (batch, width), device="cuda")
+        mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long().cuda()
+        for name, kwargs in variants.items():
+            for attempt in ("first", "again") if "compile" in name else ("first",):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    model.generate(
+                        ids,
+                        attention_mask=mask,
+                        max_new_tokens=new,
+                        min_new_tokens=new,
+                        do_sample=False,
+                        pad_token_id=0,
+                        **kwargs,
+                    )
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+                print(
+                    f"generate {name:<15} {attempt:<5} batch={batch} prompt<={width} new={new}: "
+                    f"{dt:6.1f} s, {dt / new * 1000:6.1f} ms/step, "
+                    f"{batch * new / dt:>9,.0f} tok/s, peak {torch.cuda.max_memory_allocated() / 2**30:.0f} GiB",
+                    flush=True,
+                )
+                torch.cuda.reset_peak_memory_stats()
+
+
+def table(results: Path, out: Path | None) -> str:
+    lines, keys = [], []
+    lines.append(
+        "| run | eval set | k | acceptance length | per-position acceptance | prompts | steps |"
+    )
+    lines.append("|---|---|---|---|---|---|---|")
+    stages = []
+    for suffix, run in RUNS.items():
+        reports = results / run / "reports"
+        if not (reports / "acceptance.json").exists():
+            lines.append(f"| {run} | (not run) | | | | | |")
+            continue
+        acceptance = json.loads((reports / "acceptance.json").read_text())
+        for r in acceptance["results"]:
+            per_pos = ", ".join(f"{p:.3f}" for p in r["per_position_acceptance"])
+            lines.append(
+                f"| {run} | {r['eval_set']} | {r['k']} | {r['acceptance_length']:.3f} | {per_pos} "
+                f"| {r['prompts']} | {r['steps']} |"
+            )
+            key = f"quality.smollm2.{r['eval_set']}.k{r['k']}"
+            keys.append(f"{key}.acceptance_length{suffix} = {r['acceptance_length']:.4f}")
+            keys.append(f"{key}.per_position_acceptance{suffix} = {per_pos}")
+        if "argmax_agreement" in acceptance:
+            keys.append(
+                f"quality.smollm2.argmax_agreement{suffix} = {acceptance['argmax_agreement']:.5f}"
+            )
+        summary_path = reports / "summary.json"
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            stages.append((run, summary))
+    for run, summary in stages:
+        lines += ["", f"`{run}`: seconds per job / MB on disk per stage", ""]
+        lines.append("| job | seconds |")
+        lines.append("|---|---|")
+        lines += [f"| {j} | {s} |" for j, s in summary["seconds_per_job"].items()]
+        lines.append("")
+        lines.append("| stage | MB |")
+        lines.append("|---|---|")
+        lines += [f"| {s} | {b / 1e6:,.1f} |" for s, b in summary.get("disk_bytes", {}).items()]
+        lines.append("")
+        data, hs = summary["data"], summary["hidden_states"]
+        lines.append(
+            f"samples {data.get('samples')}, hidden-state tokens {hs['tokens']:,}, "
+            f"regenerated {json.dumps(summary.get('regenerated'))}"
+        )
+    text = "\n".join(lines + [""] + keys) + "\n"
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "quality_smollm2.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("mode", choices=["smoke", "generate-speed", "table"])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--cpu", action="store_true", help="smoke without GPUs")
+    p.add_argument("--results", type=Path, default=Path("results"))
+    a = p.parse_args()
+    if a.mode == "smoke":
+        return smoke(a.out or Path("/tmp/quality-smoke"), 0 if a.cpu else 1)
+    if a.mode == "generate-speed":
+        generate_speed()
+        return 0
+    print(table(a.results, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
