@@ -34,9 +34,7 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, (0o777 if directory else 0o666) & ~umask)  # mkstemp/mkdtemp made it private
-        if not directory:
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
         if directory and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -48,6 +46,18 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         if isinstance(exc, OSError) and exc.errno in DISK_FULL and exc.filename is None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None  # name the file
         raise
+
+
+def fsync_tree(path: str | os.PathLike, recursive: bool = True) -> None:
+    """Flush a file, or a folder and (``recursive``) everything under it, to the disk: a rename
+    after it then publishes complete contents even across a power loss, not only a kill."""
+    path = Path(path)
+    for item in [path, *path.rglob("*")] if path.is_dir() and recursive else [path]:
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def remove_stale_temps(path: str | os.PathLike) -> None:

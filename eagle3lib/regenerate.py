@@ -38,6 +38,7 @@ class RegenerateConfig:
     chunk_size: int = 64
     max_turns: int | None = None
     kv_cache: str = "static"
+    workers: int = 1
 
 
 def prompts_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -191,13 +192,20 @@ def regenerate(
     fingerprint: dict[str, Any],
     out_path: Path,
     log=print,
+    worker: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Regenerate chunk by chunk into ``work_dir`` (resumable), then write ``out_path``."""
+    """Regenerate chunk by chunk into ``work_dir`` (resumable), then write ``out_path``.
+
+    ``worker=(i, n)``: do chunks i, i + n, ... only and write no ``out_path`` (one of n
+    data-parallel workers; a final call without ``worker`` finds every chunk done).
+    """
     fingerprinted_dir(work_dir, fingerprint)
     t0 = time.perf_counter()
     n_chunks = (len(conversations) + cfg.chunk_size - 1) // cfg.chunk_size
     reused = 0
     for index, part in chunks(conversations, cfg.chunk_size):
+        if worker is not None and index % worker[1] != worker[0]:
+            continue
         path = work_dir / f"chunk-{index:05d}.jsonl"
         if path.exists():
             reused += 1
@@ -210,6 +218,8 @@ def regenerate(
         log(
             f"regenerate: chunk {index + 1}/{n_chunks} ({len(part)} conversations) in {time.perf_counter() - t:.1f} s"
         )
+    if worker is not None:
+        return {"chunks_reused": reused, "seconds": round(time.perf_counter() - t0, 2)}
     written = 0
     with atomic_path(out_path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
         for index in range(n_chunks):
@@ -223,6 +233,49 @@ def regenerate(
         "chunks_reused": reused,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def worker_devices(visible: str | None, workers: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each data-parallel worker: the leased devices split evenly
+    (None everywhere when the job leased none, on a CPU)."""
+    devices = [d for d in (visible or "").split(",") if d.strip()]
+    if not devices:
+        return [None] * workers
+    if len(devices) % workers:
+        raise UserError(
+            f"config key regenerate.workers: {workers} workers cannot share {len(devices)} "
+            "GPU(s) evenly; make regenerate.gpus a multiple of regenerate.workers"
+        )
+    size = len(devices) // workers
+    return [",".join(devices[i * size : (i + 1) * size]) for i in range(workers)]
+
+
+def run_workers(argv: list[str], visible: str | None, workers: int, log=print) -> None:
+    """Start ``workers`` copies of this command (``--worker i/n``), each on its share of the
+    leased GPUs, and wait for all; the first failure stops the others."""
+    import os
+    import subprocess
+
+    procs = []
+    for i, devices in enumerate(worker_devices(visible, workers)):
+        env = dict(os.environ)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        procs.append(subprocess.Popen([*argv, "--worker", f"{i}/{workers}"], env=env))
+        log(f"regenerate: worker {i + 1}/{workers} started (GPUs: {devices or 'none'})")
+    failed = None
+    while procs and failed is None:
+        for proc in list(procs):
+            if proc.poll() is not None:
+                procs.remove(proc)
+                if proc.returncode:
+                    failed = proc.returncode
+        time.sleep(0.2)
+    for proc in procs:
+        proc.terminate()
+        proc.wait()
+    if failed is not None:
+        raise UserError(f"regenerate: a worker failed (exit status {failed}); its log is above")
 
 
 def log_stderr(message: str) -> None:

@@ -25,7 +25,7 @@ from speculators.train.data import BaseDataset
 from speculators.train.trainer import Trainer
 
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import fingerprinted_dir, read_json, sha256_json
+from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_json
 from eagle3lib.hidden_states import Shard, check_manifest, check_shard, open_shard
 from eagle3lib.verifier import identity
 
@@ -524,9 +524,11 @@ def swap_in(new: Path, final: Path) -> None:
     under ``final`` or under ``final.old`` (which recover_state_dir puts back)."""
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
+    fsync_tree(new)  # the new checkpoint's bytes are on disk before it replaces the old one
     if final.exists():
         os.rename(final, old)
     os.rename(new, final)
+    fsync_tree(final.parent, recursive=False)  # ...and so are the renames
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of regenerate.workers
     a = p.parse_args()
 
     from eagle3lib import regenerate as rg
@@ -55,11 +56,27 @@ def main() -> None:
 
     fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
                    "data": data["train"], "max_length": data["max_length"]}  # fmt: skip
+    worker = tuple(int(x) for x in a.worker.split("/")) if a.worker else None
     run = lambda generate: rg.regenerate(  # noqa: E731
         conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
-        log=rg.log_stderr,
+        log=rg.log_stderr, worker=worker,
     )  # fmt: skip
-    if cfg.backend == "vllm":
+    if cfg.backend == "hf" and cfg.workers > 1 and worker is None:
+        import os
+
+        from eagle3lib.fileio import fingerprinted_dir
+
+        fingerprinted_dir(a.work_dir, fingerprint)  # before the workers share it
+        rg.run_workers(
+            [sys.executable, *sys.argv], os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.workers,
+            log=rg.log_stderr,
+        )  # fmt: skip
+
+        def finished(prompts):  # every chunk is done: only the output is written now
+            raise RuntimeError("regenerate: a worker left a chunk undone")
+
+        stats = run(finished)
+    elif cfg.backend == "vllm":
         from eagle3lib import serve
 
         args = ["--seed", str(cfg.seed), *serve.engine_args(engine)]
@@ -83,6 +100,8 @@ def main() -> None:
             device_map=device_map_for_job(),
         )
         stats = run(rg.hf_generate(model, tokenizer, cfg))
+        if worker is not None:
+            return
     info = {**stats, "settings": section, "verifier": record["name"], "source": str(a.train.name)}
     write_json(a.out_info, info)
     print(json.dumps(info, indent=2), file=sys.stdout)

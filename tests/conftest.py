@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -71,6 +72,20 @@ def run_snakemake(workdir: Path, configfile: Path | None, *args: str, check: boo
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def regenerate_command(
+    verifier_json: Path, train: Path, data: dict, section: dict, work: Path
+) -> list[str]:
+    """scripts/regenerate.py as the regenerate rule runs it, writing into ``work``."""
+    return [
+        sys.executable, str(ROOT / "scripts" / "regenerate.py"),
+        "--verifier", str(verifier_json), "--train", str(train),
+        "--data", json.dumps(data), "--regenerate", json.dumps(section), "--vllm", "{}",
+        "--vllm-python", sys.executable, "--work-dir", str(work / "chunks"),
+        "--server-log", str(work / "server.log"), "--threads", "1",
+        "--out", str(work / "out.jsonl"), "--out-info", str(work / "info.json"),
+    ]  # fmt: skip
 
 
 def job_counts(output: str) -> dict[str, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import tiny
-from conftest import ROOT, executed_jobs, run_snakemake
+from conftest import ROOT, executed_jobs, regenerate_command, run_snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -368,14 +368,7 @@ def test_killed_regeneration_resumes_to_the_same_bytes(verifier_record, tmp_path
     section = {"backend": "hf", "max_new_tokens": 12, "batch_size": 4, "chunk_size": 4}
 
     def command(work: Path) -> list[str]:
-        return [
-            sys.executable, str(ROOT / "scripts" / "regenerate.py"),
-            "--verifier", str(tmp_path / "verifier.json"), "--train", str(convs),
-            "--data", json.dumps(data), "--regenerate", json.dumps(section), "--vllm", "{}",
-            "--vllm-python", sys.executable, "--work-dir", str(work / "chunks"),
-            "--server-log", str(work / "server.log"), "--threads", "1",
-            "--out", str(work / "out.jsonl"), "--out-info", str(work / "info.json"),
-        ]  # fmt: skip
+        return regenerate_command(tmp_path / "verifier.json", convs, data, section, work)
 
     subprocess.run(command(tmp_path / "ref"), check=True, capture_output=True)
     reference = (tmp_path / "ref" / "out.jsonl").read_bytes()

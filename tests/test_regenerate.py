@@ -1,8 +1,11 @@
 import json
+import os
+import subprocess
 
 import pytest
 import tiny
 import torch
+from conftest import regenerate_command
 
 from eagle3lib import regenerate as rg
 from eagle3lib.data import eos_ids, until_eos
@@ -150,3 +153,58 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
         log=lambda m: None,
     )
     assert changed["chunks_reused"] == 0 and sum(calls) == 10  # other settings: nothing reused
+
+
+def test_workers_split_the_chunks_and_the_leased_gpus(tmp_path):
+    assert rg.worker_devices("0,1", 2) == ["0", "1"]
+    assert rg.worker_devices("4,5,6,7", 2) == ["4,5", "6,7"]
+    assert rg.worker_devices(None, 2) == [None, None] == rg.worker_devices("", 2)
+    with pytest.raises(UserError, match="regenerate.workers: 2 workers cannot share 3 GPU"):
+        rg.worker_devices("0,1,2", 2)
+    convs = [
+        {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(7)
+    ]
+    cfg = rg.RegenerateConfig(chunk_size=2)
+    calls = []
+
+    def counting(prompts):
+        calls.append(len(prompts))
+        return fake_generate(prompts)
+
+    args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
+    rg.regenerate(convs, counting, *args, log=lambda m: None, worker=(1, 2))
+    assert (
+        sorted(p.name for p in (tmp_path / "work").glob("chunk-*"))
+        == ["chunk-00001.jsonl", "chunk-00003.jsonl"]
+        and not (tmp_path / "out.jsonl").exists()
+    )
+    rg.regenerate(convs, counting, *args, log=lambda m: None, worker=(0, 2))
+    calls.clear()
+    final = rg.regenerate(convs, counting, *args, log=lambda m: None)
+    assert calls == [] and final["chunks_reused"] == 4 and final["conversations_out"] == 7
+
+
+@pytest.mark.slow
+def test_two_worker_processes_write_the_same_bytes_as_one(verifier_record, tmp_path):
+    """regenerate.workers: 2 on the CPU (no GPUs leased): two processes, the same output."""
+    from eagle3lib.fileio import write_json
+
+    convs = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(12, seed=4))
+    write_json(tmp_path / "verifier.json", verifier_record)
+    data = {"train": {"path": str(convs)}, "max_length": 256}
+    section = {"backend": "hf", "max_new_tokens": 10, "batch_size": 4, "chunk_size": 3}
+    outputs = {}
+    for workers in (1, 2):
+        work = tmp_path / f"w{workers}"
+        cmd = regenerate_command(
+            tmp_path / "verifier.json", convs, data, {**section, "workers": workers}, work
+        )
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs[workers] = (work / "out.jsonl").read_bytes()
+        if workers == 2:
+            assert "worker 2/2 started" in proc.stderr
+            assert json.loads((work / "info.json").read_text())["chunks_reused"] == 4
+    assert outputs[1] == outputs[2] and outputs[1].count(b"\n") == 12

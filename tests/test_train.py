@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,26 @@ def test_two_processes_train_and_export_once(pipeline, tmp_path, fsdp):
     assert summary["processes"] == 2 and summary["rank"] == 0 and summary["fsdp"] is fsdp
     assert len(summary["curves"]["train_loss"]) >= 2
     assert checkpoint.check(out, pipeline["record"], [2, 4, 5])["valid"] is True
+
+
+def test_swap_in_flushes_the_checkpoint_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """The staged checkpoint's files reach the disk before the rename that publishes them, and
+    the renames are flushed after (a power loss then leaves the old or the new checkpoint)."""
+    final = tmp_path / "state" / "0"
+    final.mkdir(parents=True)
+    (final / "weights").write_text("old")
+    new = tmp_path / "state" / "staging"
+    (new / "sub").mkdir(parents=True)
+    (new / "weights").write_text("new")
+    calls = []
+    real = train.fsync_tree
+
+    def recording(path, recursive=True):
+        calls.append((Path(path), recursive, (final / "weights").read_text()))
+        real(path, recursive)
+
+    monkeypatch.setattr(train, "fsync_tree", recording)
+    train.swap_in(new, final)
+    assert calls == [(new, True, "old"), (final.parent, False, "new")]
+    assert (final / "weights").read_text() == "new" and not new.exists()
+    assert not final.with_name("0.old").exists()
