@@ -755,7 +755,7 @@ def extract_shard(
         }
         args = [
             *vllm_extraction_args(layer_ids, storage.resolve(), cuda),
-            *serve.engine_args(engine),
+            *serve.engine_args(engine, record.get("trust_remote_code", False)),
         ]
         env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
         log_path = shard_path.parent / f"vllm-server-{shard_path.stem}.log"

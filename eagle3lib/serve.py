@@ -242,9 +242,9 @@ def acceptance_from_counters(
     }
 
 
-def engine_args(engine: dict[str, Any]) -> list[str]:
-    """Server flags from the config's vllm section."""
-    args = []
+def engine_args(engine: dict[str, Any], trust_remote_code: bool = False) -> list[str]:
+    """Server flags from the config's vllm section (and the verifier's trust_remote_code)."""
+    args = ["--trust-remote-code"] if trust_remote_code else []
     if engine.get("dtype"):
         args += ["--dtype", engine["dtype"]]
     if engine.get("max_model_len"):
@@ -264,10 +264,11 @@ def leased_gpus() -> int:
     return len([d for d in visible.split(",") if d.strip()]) if visible else 0
 
 
-def serve_command(verifier: str, checkpoint: str, k: int) -> str:
+def serve_command(verifier: str, checkpoint: str, k: int, trust_remote_code: bool = False) -> str:
     """The command a user runs to serve the verifier with this draft."""
     spec = json.dumps({"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k})
-    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(spec)}"
+    trust = " --trust-remote-code" if trust_remote_code else ""
+    return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(spec)}"
 
 
 def reference_greedy(
@@ -297,11 +298,12 @@ def serve_check(
     engine: dict[str, Any],
     log_path: Path,
     log=print,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Acceptance of the draft as vLLM measures it, and a text check against no-draft greedy."""
     env = engine_env(engine.get("cpu_kvcache_gib", 1))
     spec = {"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k}
-    args = ["--speculative-config", json.dumps(spec), *engine_args(engine)]
+    args = ["--speculative-config", json.dumps(spec), *engine_args(engine, trust_remote_code)]
     t0 = time.perf_counter()
     outputs: list[list[int]] = []
     with VllmServer(
@@ -337,5 +339,5 @@ def serve_check(
         "mismatched_prompts": mismatched,
         "server_start_seconds": round(started, 1),
         "seconds": round(time.perf_counter() - t0, 1),
-        "serve_command": serve_command(verifier_path, checkpoint, k),
+        "serve_command": serve_command(verifier_path, checkpoint, k, trust_remote_code),
     }

@@ -79,7 +79,7 @@ def main() -> None:
     elif cfg.backend == "vllm":
         from eagle3lib import serve
 
-        args = ["--seed", str(cfg.seed), *serve.engine_args(engine)]
+        args = ["--seed", str(cfg.seed), *serve.engine_args(engine, record["trust_remote_code"])]
         env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
         with serve.VllmServer(
             a.vllm_python, record["load_path"], args, a.server_log, env, engine["startup_timeout"]

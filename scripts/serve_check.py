@@ -61,6 +61,7 @@ def main() -> None:
         engine,
         a.server_log,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        trust_remote_code=record["trust_remote_code"],
     )
     import vllm
 

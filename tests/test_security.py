@@ -219,6 +219,16 @@ def test_vllm_servers_bind_loopback_only(tmp_path, monkeypatch):
         assert command[command.index("--host") + 1] == "127.0.0.1"
         assert "0.0.0.0" not in " ".join(command)
         assert server.url == f"http://127.0.0.1:{server.port}"
+        assert "--trust-remote-code" not in command  # off unless the verifier config says so
+
+
+def test_vllm_gets_trust_remote_code_only_from_the_verifier_config():
+    from eagle3lib import serve
+
+    assert "--trust-remote-code" not in serve.engine_args({"trust_remote_code": True})
+    assert serve.engine_args({}, trust_remote_code=True)[0] == "--trust-remote-code"
+    assert "--trust-remote-code" in serve.serve_command("m", "ckpt", 3, trust_remote_code=True)
+    assert "--trust-remote-code" not in serve.serve_command("m", "ckpt", 3)
 
 
 def test_only_serve_py_starts_vllm_servers():
