@@ -38,6 +38,7 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         if directory and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
+        fsync_tree(path.parent, recursive=False)  # the rename itself
     except BaseException as exc:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 from eagle3lib.data import InvalidRecord, eos_ids, normalize_conversation, read_records, until_eos
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import atomic_path, fingerprinted_dir
+from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
 
 Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
 
@@ -38,7 +38,6 @@ class RegenerateConfig:
     chunk_size: int = 64
     max_turns: int | None = None
     kv_cache: str = "static"
-    workers: int = 1
 
 
 def prompts_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -130,6 +129,19 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
         if cfg.kv_cache == "static"
         else {}
     )
+    # The verifier's raw next-token distribution, which the draft learns: no logit processors
+    # from its generation_config (a repetition penalty would make "greedy" differ from argmax).
+    raw = {
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+        "encoder_no_repeat_ngram_size": 0,
+        "suppress_tokens": None,
+        "begin_suppress_tokens": None,
+        "bad_words_ids": None,
+        "min_new_tokens": None,
+        "min_length": 0,
+        "top_k": None,
+    }
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -152,6 +164,7 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
                     top_p=cfg.top_p if cfg.temperature > 0 else None,
                     pad_token_id=pad,
                     eos_token_id=eos,
+                    **raw,
                     **cache,
                 )
             for r, i in enumerate(batch):
@@ -211,6 +224,7 @@ def regenerate(
             reused += 1
             log(f"regenerate: chunk {index + 1}/{n_chunks} already done")
             continue
+        remove_stale_temps(path)  # what a killed writer of this chunk left
         t = time.perf_counter()
         records = regenerate_chunk(part, render, decode, generate, max_length, cfg.max_turns)
         with atomic_path(path) as tmp:
@@ -257,23 +271,30 @@ def run_workers(argv: list[str], visible: str | None, workers: int, log=print) -
     import subprocess
 
     procs = []
-    for i, devices in enumerate(worker_devices(visible, workers)):
-        env = dict(os.environ)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        procs.append(subprocess.Popen([*argv, "--worker", f"{i}/{workers}"], env=env))
-        log(f"regenerate: worker {i + 1}/{workers} started (GPUs: {devices or 'none'})")
     failed = None
-    while procs and failed is None:
-        for proc in list(procs):
-            if proc.poll() is not None:
-                procs.remove(proc)
-                if proc.returncode:
-                    failed = proc.returncode
-        time.sleep(0.2)
-    for proc in procs:
-        proc.terminate()
-        proc.wait()
+    try:
+        for i, devices in enumerate(worker_devices(visible, workers)):
+            env = dict(os.environ)
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+            procs.append(subprocess.Popen([*argv, "--worker", f"{i}/{workers}"], env=env))
+            log(f"regenerate: worker {i + 1}/{workers} started (GPUs: {devices or 'none'})")
+        while procs and failed is None:
+            for proc in list(procs):
+                if proc.poll() is not None:
+                    procs.remove(proc)
+                    if proc.returncode:
+                        failed = proc.returncode
+            time.sleep(0.2)
+    finally:  # a failed worker, or this process stopped: no worker outlives it
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     if failed is not None:
         raise UserError(f"regenerate: a worker failed (exit status {failed}); its log is above")
 

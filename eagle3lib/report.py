@@ -116,6 +116,11 @@ def gpu_problems(gpu_memory: dict[str, Any]) -> list[str]:
     return problems
 
 
+# replay scores the draft against batched greedy tokens: below this agreement with the
+# teacher-forced argmax they are not the verifier's greedy decoding (bf16 ties stay far above)
+ARGMAX_AGREEMENT_MIN = 0.99
+
+
 def problems_of(summary: dict[str, Any]) -> list[str]:
     """Everything that makes the build invalid, one line each."""
     problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
@@ -128,11 +133,19 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
         )
     if summary["acceptance_length"] is None:
         problems.append("acceptance: no verifier step was measured (raise evaluate.max_new_tokens)")
-    if summary["text_matches_verifier"] is False:  # None: replay, greedy by construction
-        problems.append(
-            f"acceptance: {summary['acceptance']['mismatched_prompts']} prompt(s) decoded "
-            "differently from verifier-only greedy decoding"
-        )
+    for r in summary["acceptance"].get("results") or [summary["acceptance"]]:
+        where = f"{r['eval_set']} k={r['k']}" if "eval_set" in r else f"k={r['k']}"
+        if r.get("text_matches_verifier") is False:  # None: replay, greedy by construction
+            problems.append(
+                f"acceptance ({where}): {r['mismatched_prompts']} prompt(s) decoded "
+                "differently from verifier-only greedy decoding"
+            )
+        agreement = r.get("argmax_agreement")
+        if agreement is not None and agreement < ARGMAX_AGREEMENT_MIN:
+            problems.append(
+                f"acceptance ({where}): the greedy tokens equal the verifier's argmax at only "
+                f"{agreement:.1%} of positions; a generation setting changes greedy decoding"
+            )
     return problems
 
 

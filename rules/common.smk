@@ -120,6 +120,22 @@ def prepare_section():
     return json.dumps(data, sort_keys=True)
 
 
+def regenerate_data():
+    """What decides the regenerated conversations of the data section (not the eval sets)."""
+    data = config["data"]
+    keys = ("train", "max_length", "on_invalid_record")
+    return json.dumps({k: data[k] for k in keys}, sort_keys=True)
+
+
+def serve_check_evaluate():
+    """What serve_check uses of the evaluate section: the headline k and max_new_tokens."""
+    k = config["evaluate"]["k"]
+    first = k if isinstance(k, int) else k[0]
+    return json.dumps(
+        {"k": first, "max_new_tokens": config["evaluate"]["max_new_tokens"]}
+    )
+
+
 def provenance(directory, job):
     """provenance-<job>.json beside a job's artifacts (see eagle3lib/provenance.py)."""
     return results(f"{directory}/provenance-{job}.json")

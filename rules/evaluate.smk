@@ -78,7 +78,7 @@ rule serve_check:
     resources:
         gpu=config["serve_check"]["gpus"],
     params:
-        evaluate=section("evaluate"),
+        evaluate=serve_check_evaluate(),
         engine=section("vllm"),
         python=vllm_python(),
         max_prompts=config["data"]["eval"]["max_prompts"] or 0,

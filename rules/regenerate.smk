@@ -19,9 +19,10 @@ rule regenerate:
     threads: 4
     resources:
         gpu=config["regenerate"]["gpus"],
+        workers=config["regenerate"]["workers"],
     params:
-        data=prepare_section(),
-        regenerate=section("regenerate", drop=("gpus", "enabled")),
+        data=regenerate_data(),
+        regenerate=section("regenerate", drop=("gpus", "enabled", "workers")),
         engine=section("vllm"),
         python=vllm_python(),
         work=REGENERATE_WORK,
@@ -31,6 +32,6 @@ rule regenerate:
         " python {input.script} --verifier {input.verifier} --train {input.train}"
         " --data {params.data:q} --regenerate {params.regenerate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --work-dir {params.work}"
-        " --server-log {params.server_log} --threads {threads}"
+        " --server-log {params.server_log} --threads {threads} --workers {resources.workers}"
         " --out {output.conversations} --out-info {output.info}"
         " --provenance {output.provenance} > {log} 2>&1"

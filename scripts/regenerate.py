@@ -25,7 +25,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of regenerate.workers
+    p.add_argument("--workers", type=int, default=1, help="data-parallel generate processes")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of --workers
     a = p.parse_args()
 
     from eagle3lib import regenerate as rg
@@ -61,21 +62,30 @@ def main() -> None:
         conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
         log=rg.log_stderr, worker=worker,
     )  # fmt: skip
-    if cfg.backend == "hf" and cfg.workers > 1 and worker is None:
+    if cfg.backend == "hf" and a.workers > 1 and worker is None:
         import os
+        import time
 
         from eagle3lib.fileio import fingerprinted_dir
 
+        t0 = time.perf_counter()
         fingerprinted_dir(a.work_dir, fingerprint)  # before the workers share it
+        done_before = len(list(a.work_dir.glob("chunk-*.jsonl")))
+        threads = ["--threads", str(max(1, a.threads // a.workers))] if a.threads else []
         rg.run_workers(
-            [sys.executable, *sys.argv], os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.workers,
-            log=rg.log_stderr,
+            [sys.executable, *sys.argv, *threads], os.environ.get("CUDA_VISIBLE_DEVICES"),
+            a.workers, log=rg.log_stderr,
         )  # fmt: skip
 
         def finished(prompts):  # every chunk is done: only the output is written now
             raise RuntimeError("regenerate: a worker left a chunk undone")
 
         stats = run(finished)
+        stats |= {
+            "chunks_reused": done_before,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "workers": a.workers,
+        }
     elif cfg.backend == "vllm":
         from eagle3lib import serve
 

@@ -204,3 +204,31 @@ def test_replay_gives_the_decode_loops_counts(draft, verifier_model, tokenizer):
     assert replay["argmax_agreement"] == 1.0
     assert replay["per_prompt"][0]["text"] == decode["per_prompt"][0]["text"]
     assert replay["k"] == 3 and replay["eval_set"] == "a" and replay["method"] == "replay"
+
+
+def test_report_flags_any_eval_set_and_k_whose_greedy_text_is_off():
+    """Every (eval set, k) result is checked, not only the headline one."""
+    from eagle3lib.report import problems_of
+
+    def summary(results):
+        return {
+            "checkpoint": {"problems": []},
+            "gpu_memory": {},
+            "acceptance_length": 1.5,
+            "acceptance": {"results": results},
+        }
+
+    fine = {"eval_set": "mtbench", "k": 3, "text_matches_verifier": True}
+    replayed = {"eval_set": "humaneval", "k": 5, "text_matches_verifier": None}
+    assert problems_of(summary([fine, {**replayed, "argmax_agreement": 0.999}])) == []
+    [problem] = problems_of(summary([fine, {**replayed, "argmax_agreement": 0.9}]))
+    assert (
+        problem.startswith("acceptance (humaneval k=5): the greedy tokens equal")
+        and "90.0%" in problem
+    )
+    [problem] = problems_of(
+        summary([fine, {**fine, "k": 5, "text_matches_verifier": False, "mismatched_prompts": 2}])
+    )
+    assert problem == (
+        "acceptance (mtbench k=5): 2 prompt(s) decoded differently from verifier-only greedy decoding"
+    )

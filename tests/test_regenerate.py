@@ -60,6 +60,31 @@ def test_a_prompt_past_max_length_stops_the_conversation():
     assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"]
 
 
+def test_hf_backend_ignores_logit_processors_of_the_generation_config(verifier_model, tokenizer):
+    """A repetition penalty in the verifier's generation_config would make greedy decoding
+    differ from the argmax the draft learns; generation uses the raw logits."""
+    import copy
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the model"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    cfg = rg.RegenerateConfig(max_new_tokens=20, batch_size=1)
+    plain = rg.hf_generate(verifier_model, tokenizer, cfg)([prompt])
+    penalised = copy.deepcopy(verifier_model)
+    penalised.generation_config.repetition_penalty = 3.0
+    penalised.generation_config.no_repeat_ngram_size = 1
+    with torch.no_grad():  # the setting does change decoding when generate honours it
+        honoured = penalised.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt):].tolist()  # fmt: skip
+    assert until_eos(honoured, eos_ids(verifier_model.generation_config.eos_token_id)) != plain[0]
+    assert rg.hf_generate(penalised, tokenizer, cfg)([prompt]) == plain
+
+
 def test_max_turns_answers_only_the_first_user_turns():
     conversations = [
         {"id": "a", "turns": [{"role": "user", "content": f"q{i}"} for i in range(4)]},
@@ -196,9 +221,8 @@ def test_two_worker_processes_write_the_same_bytes_as_one(verifier_record, tmp_p
     outputs = {}
     for workers in (1, 2):
         work = tmp_path / f"w{workers}"
-        cmd = regenerate_command(
-            tmp_path / "verifier.json", convs, data, {**section, "workers": workers}, work
-        )
+        cmd = regenerate_command(tmp_path / "verifier.json", convs, data, section, work)
+        cmd += ["--workers", str(workers)]
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         )
@@ -206,5 +230,6 @@ def test_two_worker_processes_write_the_same_bytes_as_one(verifier_record, tmp_p
         outputs[workers] = (work / "out.jsonl").read_bytes()
         if workers == 2:
             assert "worker 2/2 started" in proc.stderr
-            assert json.loads((work / "info.json").read_text())["chunks_reused"] == 4
+            info = json.loads((work / "info.json").read_text())
+            assert info["workers"] == 2 and info["chunks"] == 4 and info["chunks_reused"] == 0
     assert outputs[1] == outputs[2] and outputs[1].count(b"\n") == 12
