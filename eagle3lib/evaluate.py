@@ -29,6 +29,7 @@ import torch
 
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.hidden_states import Capture, input_device
+from eagle3lib.regenerate import RAW_LOGITS
 from eagle3lib.report import fmt
 
 
@@ -96,6 +97,7 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int
         do_sample=False,
         eos_token_id=sorted(eos) or None,
         pad_token_id=sorted(eos)[0] if eos else 0,
+        **RAW_LOGITS,
     )
     return until_eos(out[0, len(prompt) :].tolist(), eos, max_new_tokens)
 

@@ -40,6 +40,21 @@ class RegenerateConfig:
     kv_cache: str = "static"
 
 
+# generate() arguments that switch off the logit processors a verifier's generation_config may
+# carry (a repetition penalty would make "greedy" differ from the argmax the draft learns).
+RAW_LOGITS = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "bad_words_ids": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "top_k": None,
+}
+
+
 def prompts_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """The turns that drive regeneration: system and user turns (assistant turns are redone)."""
     return [m for m in messages if m["role"] in ("system", "user")]
@@ -129,19 +144,6 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
         if cfg.kv_cache == "static"
         else {}
     )
-    # The verifier's raw next-token distribution, which the draft learns: no logit processors
-    # from its generation_config (a repetition penalty would make "greedy" differ from argmax).
-    raw = {
-        "repetition_penalty": 1.0,
-        "no_repeat_ngram_size": 0,
-        "encoder_no_repeat_ngram_size": 0,
-        "suppress_tokens": None,
-        "begin_suppress_tokens": None,
-        "bad_words_ids": None,
-        "min_new_tokens": None,
-        "min_length": 0,
-        "top_k": None,
-    }
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -164,7 +166,7 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
                     top_p=cfg.top_p if cfg.temperature > 0 else None,
                     pad_token_id=pad,
                     eos_token_id=eos,
-                    **raw,
+                    **RAW_LOGITS,
                     **cache,
                 )
             for r, i in enumerate(batch):
