@@ -29,7 +29,7 @@ import torch
 
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.hidden_states import Capture, input_device
-from eagle3lib.regenerate import RAW_LOGITS
+from eagle3lib.regenerate import RAW_LOGITS, RegenerateConfig, hf_generate
 from eagle3lib.report import fmt
 
 
@@ -252,8 +252,6 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
 
 
 def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) -> list[dict]:
-    from eagle3lib.regenerate import RegenerateConfig, hf_generate
-
     steps = max(ks)
     t = time.perf_counter()
     generate = hf_generate(
