@@ -10,6 +10,8 @@ seed; speculators' data path (multipack sampler, CollateFn, shift_batch) and mod
 both. Variants:
 
     ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps
+    ours_syncs            the same with speculators' loss metrics as they are (8 host syncs
+                          a step; `ours` removes them, eagle3lib.train.sync_free_eagle3)
     speculators_fastest   speculators.train.trainer.Trainer, AdamW, no per-step logging,
                           its loader settings (12 spawn workers, prefetch 4, pinned)
     speculators_cli       speculators' CLI defaults: Muon, logging every step
@@ -135,8 +137,9 @@ class StepClock:
     With ``profile_steps`` the first steps of the window also run under torch.profiler, to
     report how busy the GPU was (kernel time over wall time)."""
 
-    def __init__(self, start: int, stop: int, profile_steps: int = 0):
+    def __init__(self, start: int, stop: int, profile_steps: int = 0, sync_steps: int = 0):
         self.start, self.stop, self.step = start, stop, 0
+        self.sync_sites = SyncSites(sync_steps) if torch.cuda.is_available() else None
         self.t0 = self.t1 = None
         self.profile_steps = profile_steps if torch.cuda.is_available() else 0
         self.prof = None
@@ -145,6 +148,8 @@ class StepClock:
 
     def __call__(self):
         self.step += 1
+        if self.sync_sites is not None:
+            self.sync_sites.at_step(self.step - self.start)
         if self.step in (self.start, self.stop):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -187,6 +192,44 @@ class StepClock:
         self.prof = None
 
 
+class SyncSites:
+    """Where the training step makes the host wait for the GPU: ``steps`` steps after warm-up
+    run under CUDA's sync debug mode, and each synchronising call's Python stack is counted."""
+
+    def __init__(self, steps: int):
+        self.steps, self.sites, self.active = steps, {}, False
+
+    def at_step(self, k: int) -> None:
+        if not self.steps or k not in (0, self.steps):
+            return
+        import warnings
+
+        self.active = k == 0
+        torch.cuda.set_sync_debug_mode("warn" if self.active else "default")
+        if self.active:
+            self._show, warnings.showwarning = warnings.showwarning, self._record
+            warnings.simplefilter("always")
+        else:
+            warnings.showwarning = self._show
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
+        if "synchroniz" not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        stack = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-2]
+            if "warnings" not in f.filename
+        ][-6:]
+        key = " <- ".join(reversed(stack))
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    def report(self) -> str:
+        per_step = sorted(self.sites.items(), key=lambda kv: -kv[1])
+        return "\n".join(f"{n / max(self.steps, 1):5.1f}/step  {k}" for k, n in per_step)
+
+
 def real_tokens_per_batch(loader, epoch: int, total_seq_len: int) -> list[int]:
     """Real tokens of each batch as CollateFn/shift_batch pack them (same for all variants)."""
     sampler = loader.batch_sampler
@@ -207,6 +250,7 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
     log_every = {
         "ours": 100,
         "ours_workers": 100,
+        "ours_syncs": 100,
         "speculators_fastest": 10**9,
         "speculators_cli": 1,
     }[name]
@@ -219,13 +263,13 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         log_every=log_every,
         seed=0,
         val_fraction=0.02,
-        loader_workers=0 if name == "ours" else args.workers,
+        loader_workers=0 if name in ("ours", "ours_syncs") else args.workers,
         loss="eager" if args.eager_loss else "auto",
         fsdp=args.fsdp,
     )
     if args.log_every:  # for comparing loss curves (a host sync per logged step)
         cfg = dataclasses.replace(cfg, log_every=args.log_every)
-    clock = StepClock(args.warmup, args.steps, args.profile_steps)
+    clock = StepClock(args.warmup, args.steps, args.profile_steps, args.sync_sites)
     tokens_box = {}
 
     def timed(cls):
@@ -242,7 +286,10 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
 
         return TimedTrainer
 
-    cls = timed(train.StreamingTrainer if name.startswith("ours") else st.Trainer)
+    base = train.StreamingTrainer if name.startswith("ours") else st.Trainer
+    if name == "ours_syncs":  # the loss metrics with speculators' host syncs, for comparison
+        base = type("StreamingTrainerWithSyncs", (base,), {"sync_free": False})
+    cls = timed(base)
     state = out / f"state-{name}"
     if state.exists():
         import shutil
@@ -252,6 +299,9 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         cfg, record, shards, manifests, vocab_map, state, state / "metrics.jsonl", trainer_class=cls
     )
     (out / f"profile-{name}.txt").write_text(clock.table)
+    if clock.sync_sites is not None and clock.sync_sites.steps:
+        (out / f"sync-sites-{name}.txt").write_text(clock.sync_sites.report() + "\n")
+        print(f"sync sites ({name}):\n{clock.sync_sites.report()}", flush=True)
     per_batch = tokens_box["per_batch"]
     tokens = sum(per_batch[args.warmup : args.steps])
     seconds = clock.t1 - clock.t0
@@ -307,6 +357,12 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--profile-steps", type=int, default=5, help="steps profiled after the window")
+    p.add_argument(
+        "--sync-sites",
+        type=int,
+        default=0,
+        help="steps after warm-up run in CUDA sync debug mode; lists where the host waits",
+    )
     p.add_argument(
         "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"
     )

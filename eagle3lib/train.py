@@ -214,6 +214,73 @@ def cpu_trainer_patches() -> Iterator[None]:
         trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device = saved  # noqa: SLF001
 
 
+def accuracy_counts(pred_ids, target_ids, loss_mask=None, prev_correct=None):
+    """speculators' ``compute_accuracy_single_step`` without its host syncs: the same four
+    counts (correct, total, correct again, conditional total) as device tensors, and the same
+    in-place update of ``prev_correct``. speculators selects the masked positions with
+    ``masked_select`` (its size depends on the data, so the host waits for the GPU); a masked
+    sum gives the same counts without waiting."""
+    correct = pred_ids == target_ids
+    numel = torch.full((), correct.numel(), dtype=torch.float, device=correct.device)
+    cond_total = numel
+    if prev_correct is not None:
+        cond_total = prev_correct.sum().float()
+        correct = torch.logical_and(prev_correct, correct, out=prev_correct)
+    if loss_mask is None:
+        correct_sum, full_total = correct.float().sum(), numel
+    else:
+        correct, mask = torch.broadcast_tensors(correct, loss_mask.to(torch.bool))
+        correct_sum, full_total = (correct & mask).float().sum(), mask.sum().float()
+    return correct_sum, full_total, correct_sum.clone(), cond_total
+
+
+def _scalar_tensor(data, *args, dtype=None, device=None, **kwargs):
+    """``torch.tensor`` whose Python scalars on a GPU are filled there (no host-to-device copy,
+    which waits for all queued GPU work); anything else goes to ``torch.tensor`` itself."""
+    if (
+        isinstance(data, (bool, int, float))
+        and not args
+        and not kwargs
+        and device is not None
+        and torch.device(device).type != "cpu"
+    ):
+        return torch.full((), data, dtype=dtype, device=device)
+    return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def sync_free_eagle3() -> Iterator[None]:
+    """Run speculators' EAGLE-3 forward and loss without the host syncs found on an H200.
+
+    ``bench/train.py --sync-sites`` (CUDA sync debug mode) found 8 a step, all in the loss
+    metrics: 3 ``masked_select`` in ``compute_accuracy_single_step`` and 5 scalars created from
+    Python numbers (``torch.tensor(1.0, device=...)``) in ``compute_metrics`` and the forward.
+    Here the accuracy counts come from ``accuracy_counts`` and those modules see a ``torch``
+    whose ``tensor`` fills scalars on the device; values are unchanged (tests compare them with
+    speculators' own). Patched for the whole run, so torch.compile traces one version.
+    """
+    import types
+
+    from speculators.models.eagle3 import core, metrics
+
+    torch_ns = types.ModuleType("torch")
+    torch_ns.__dict__.update(vars(torch))
+    torch_ns.tensor = _scalar_tensor
+    patches = [
+        (metrics, "compute_accuracy_single_step", accuracy_counts),
+        (metrics, "torch", torch_ns),
+        (core, "torch", torch_ns),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 class MetricsRecorder(logging.Handler):
     """Collects the dicts speculators logs on 'speculators.metrics' (loss, accuracy, lr)."""
 
@@ -240,11 +307,17 @@ class StreamingTrainer(Trainer):
     numbers, a blocking copy) and copies each batch to the device just before using it, so the
     GPU idles while the host prepares the next step. Here the next batch is copied on a side
     stream while the current step runs, and metrics leave the device only on logging steps.
-    Forward (autocast), loss, backward, gradient clipping, optimiser, scheduler, mid-epoch
-    checkpoints, resume skipping and max_steps are speculators' own, unchanged.
+    The model's loss metrics run without their host syncs (``sync_free_eagle3``). Forward
+    (autocast), loss, backward, gradient clipping, optimiser, scheduler, mid-epoch checkpoints,
+    resume skipping and max_steps are speculators' own, unchanged.
     """
 
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
+    sync_free = True  # speculators' loss metrics without host syncs (sync_free_eagle3)
+
+    def run_training(self):
+        with sync_free_eagle3() if self.sync_free else contextlib.nullcontext():
+            return super().run_training()
 
     def setup_optimizer(self):
         """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)."""

@@ -224,3 +224,50 @@ def test_swap_in_flushes_the_checkpoint_before_it_replaces_the_old_one(tmp_path,
     assert calls == [(new, True, "old"), (final.parent, False, "new")]
     assert (final / "weights").read_text() == "new" and not new.exists()
     assert not final.with_name("0.old").exists()
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("with_prev", [True, False], ids=["prev", "no-prev"])
+def test_accuracy_counts_equal_speculators_without_masked_select(with_mask, with_prev):
+    """The sync-free counts are speculators' counts, and prev_correct is updated the same."""
+    from speculators.models.metrics import compute_accuracy_single_step
+
+    g = torch.Generator().manual_seed(3)
+    pred = torch.randint(0, 4, (1, 300), generator=g)
+    target = torch.randint(0, 4, (1, 300), generator=g)
+    mask = torch.rand(1, 300, generator=g) > 0.3 if with_mask else None
+    prev = torch.rand(1, 300, generator=g) > 0.2 if with_prev else None
+    prev_ours = prev.clone() if with_prev else None
+    theirs = compute_accuracy_single_step(pred, target, mask, prev)
+    ours = train.accuracy_counts(pred, target, mask, prev_ours)
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.float32] * 4
+    assert [t.item() for t in ours] == [t.item() for t in theirs]
+    assert 0 < ours[0].item() < ours[1].item()
+    if with_prev:
+        assert torch.equal(prev_ours, prev)
+
+
+def test_scalar_tensors_are_filled_on_the_device_with_torch_tensors_dtype():
+    """Python scalars on a non-CPU device (meta here, CUDA on a GPU) are filled there with the
+    dtype torch.tensor would give; everything else is torch.tensor itself."""
+    for value in (1.0, 0, True):
+        made = train._scalar_tensor(value, device="meta")
+        assert (made.shape, made.dtype, made.device.type) == (
+            torch.Size([]),
+            torch.tensor(value).dtype,
+            "meta",
+        )
+    assert train._scalar_tensor(2.5, device="meta", dtype=torch.float64).dtype == torch.float64
+    assert torch.equal(train._scalar_tensor([1, 2]), torch.tensor([1, 2]))
+    assert train._scalar_tensor(3.0, device="cpu").item() == 3.0
+
+
+def test_sync_free_patches_are_scoped():
+    from speculators.models.eagle3 import core, metrics
+
+    before = (metrics.compute_accuracy_single_step, metrics.torch, core.torch)
+    with train.sync_free_eagle3():
+        assert metrics.compute_accuracy_single_step is train.accuracy_counts
+        assert core.torch.tensor is train._scalar_tensor
+        assert core.torch.cat is torch.cat and metrics.torch.argmax is torch.argmax
+    assert (metrics.compute_accuracy_single_step, metrics.torch, core.torch) == before
