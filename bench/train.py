@@ -134,8 +134,9 @@ def make_shards(out: Path, record: dict, lengths: list[int], n_shards: int, seed
 class StepClock:
     """Synchronised timestamps at two steps: the timed window excludes warm-up/compilation.
 
-    With ``profile_steps`` the first steps of the window also run under torch.profiler, to
-    report how busy the GPU was (kernel time over wall time)."""
+    After the window, ``sync_steps`` steps run in CUDA's sync debug mode (SyncSites), then
+    ``profile_steps`` under torch.profiler, to report how busy the GPU was (kernel time over
+    wall time)."""
 
     def __init__(self, start: int, stop: int, profile_steps: int = 0, sync_steps: int = 0):
         self.start, self.stop, self.step = start, stop, 0
@@ -148,8 +149,6 @@ class StepClock:
 
     def __call__(self):
         self.step += 1
-        if self.sync_sites is not None:
-            self.sync_sites.at_step(self.step - self.start)
         if self.step in (self.start, self.stop):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -157,9 +156,13 @@ class StepClock:
                 self.t0 = time.perf_counter()
             else:
                 self.t1 = time.perf_counter()
-        if self.profile_steps and self.step == self.stop:
+        # after the timed window: first the sync-debug steps, then the profiled ones
+        if self.sync_sites is not None:
+            self.sync_sites.at_step(self.step - self.stop)
+        after = self.stop + (self.sync_sites.steps if self.sync_sites is not None else 0)
+        if self.profile_steps and self.step == after:
             self._profile_start()
-        elif self.prof is not None and self.step == self.stop + self.profile_steps:
+        elif self.prof is not None and self.step == after + self.profile_steps:
             self._profile_stop()
 
     def _profile_start(self):
@@ -193,24 +196,34 @@ class StepClock:
 
 
 class SyncSites:
-    """Where the training step makes the host wait for the GPU: ``steps`` steps after warm-up
-    run under CUDA's sync debug mode, and each synchronising call's Python stack is counted."""
+    """Where the training step makes the host wait for the GPU: ``steps`` steps after the timed
+    window run under CUDA's sync debug mode, and each synchronising call's Python stack is
+    counted (outside the window: recording the stacks takes time)."""
 
     def __init__(self, steps: int):
-        self.steps, self.sites, self.active = steps, {}, False
+        self.steps, self.sites, self._saved = steps, {}, None
 
     def at_step(self, k: int) -> None:
-        if not self.steps or k not in (0, self.steps):
-            return
+        """``k``: steps since the timed window ended."""
+        if self.steps and k == 0:
+            self.start()
+        elif k == self.steps:
+            self.close()
+
+    def start(self) -> None:
         import warnings
 
-        self.active = k == 0
-        torch.cuda.set_sync_debug_mode("warn" if self.active else "default")
-        if self.active:
-            self._show, warnings.showwarning = warnings.showwarning, self._record
-            warnings.simplefilter("always")
-        else:
-            warnings.showwarning = self._show
+        self._saved = warnings.catch_warnings()  # restores filters and showwarning on exit
+        self._saved.__enter__()
+        self._show, warnings.showwarning = warnings.showwarning, self._record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def close(self) -> None:
+        if self._saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._saved.__exit__(None, None, None)
+            self._saved = None
 
     def _record(self, message, category, filename, lineno, file=None, line=None):
         import traceback
@@ -259,7 +272,7 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         total_seq_len=args.total_seq_len,
         draft_vocab_size=args.draft_vocab,
         optimizer=optimizer,
-        max_steps=args.steps + args.profile_steps + 1,
+        max_steps=args.steps + args.sync_sites + args.profile_steps + 1,
         log_every=log_every,
         seed=0,
         val_fraction=0.02,
@@ -295,9 +308,20 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         import shutil
 
         shutil.rmtree(state)
-    stats = train.train(
-        cfg, record, shards, manifests, vocab_map, state, state / "metrics.jsonl", trainer_class=cls
-    )
+    try:
+        stats = train.train(
+            cfg,
+            record,
+            shards,
+            manifests,
+            vocab_map,
+            state,
+            state / "metrics.jsonl",
+            trainer_class=cls,
+        )
+    finally:  # training that ended inside the sync-debug steps leaves nothing switched on
+        if clock.sync_sites is not None:
+            clock.sync_sites.close()
     (out / f"profile-{name}.txt").write_text(clock.table)
     if clock.sync_sites is not None and clock.sync_sites.steps:
         (out / f"sync-sites-{name}.txt").write_text(clock.sync_sites.report() + "\n")
@@ -361,7 +385,7 @@ def main() -> None:
         "--sync-sites",
         type=int,
         default=0,
-        help="steps after warm-up run in CUDA sync debug mode; lists where the host waits",
+        help="steps after the timed ones run in CUDA sync debug mode; lists where the host waits",
     )
     p.add_argument(
         "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"

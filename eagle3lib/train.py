@@ -220,17 +220,21 @@ def accuracy_counts(pred_ids, target_ids, loss_mask=None, prev_correct=None):
     in-place update of ``prev_correct``. speculators selects the masked positions with
     ``masked_select`` (its size depends on the data, so the host waits for the GPU); a masked
     sum gives the same counts without waiting."""
+
+    def count(n: int):
+        return torch.full((), n, dtype=torch.float, device=correct.device)
+
     correct = pred_ids == target_ids
-    numel = torch.full((), correct.numel(), dtype=torch.float, device=correct.device)
-    cond_total = numel
+    cond_total = count(correct.numel())
     if prev_correct is not None:
         cond_total = prev_correct.sum().float()
         correct = torch.logical_and(prev_correct, correct, out=prev_correct)
     if loss_mask is None:
-        correct_sum, full_total = correct.float().sum(), numel
+        correct_sum, full_total = correct.float().sum(), count(correct.numel())
     else:
         correct, mask = torch.broadcast_tensors(correct, loss_mask.to(torch.bool))
-        correct_sum, full_total = (correct & mask).float().sum(), mask.sum().float()
+        correct_sum = torch.logical_and(correct, mask).float().sum()
+        full_total = mask.sum().float()
     return correct_sum, full_total, correct_sum.clone(), cond_total
 
 
@@ -248,6 +252,18 @@ def _scalar_tensor(data, *args, dtype=None, device=None, **kwargs):
     return torch.tensor(data, *args, dtype=dtype, device=device, **kwargs)
 
 
+@functools.cache
+def _torch_with_device_scalars():
+    """``torch`` with ``tensor`` replaced by ``_scalar_tensor`` (one object per process, so a
+    compiled forward traced with it stays valid from one run to the next)."""
+    import types
+
+    torch_ns = types.ModuleType("torch")
+    torch_ns.__dict__.update(vars(torch))
+    torch_ns.tensor = _scalar_tensor
+    return torch_ns
+
+
 @contextlib.contextmanager
 def sync_free_eagle3() -> Iterator[None]:
     """Run speculators' EAGLE-3 forward and loss without the host syncs found on an H200.
@@ -259,13 +275,9 @@ def sync_free_eagle3() -> Iterator[None]:
     whose ``tensor`` fills scalars on the device; values are unchanged (tests compare them with
     speculators' own). Patched for the whole run, so torch.compile traces one version.
     """
-    import types
-
     from speculators.models.eagle3 import core, metrics
 
-    torch_ns = types.ModuleType("torch")
-    torch_ns.__dict__.update(vars(torch))
-    torch_ns.tensor = _scalar_tensor
+    torch_ns = _torch_with_device_scalars()
     patches = [
         (metrics, "compute_accuracy_single_step", accuracy_counts),
         (metrics, "torch", torch_ns),

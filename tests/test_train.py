@@ -226,17 +226,21 @@ def test_swap_in_flushes_the_checkpoint_before_it_replaces_the_old_one(tmp_path,
     assert not final.with_name("0.old").exists()
 
 
-@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no-mask"])
-@pytest.mark.parametrize("with_prev", [True, False], ids=["prev", "no-prev"])
-def test_accuracy_counts_equal_speculators_without_masked_select(with_mask, with_prev):
-    """The sync-free counts are speculators' counts, and prev_correct is updated the same."""
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, None], ids=str)
+@pytest.mark.parametrize("prev_rows", [1, 2, None], ids=["prev", "prev-broadcast", "no-prev"])
+def test_accuracy_counts_equal_speculators_without_masked_select(mask_dtype, prev_rows):
+    """The sync-free counts are speculators' counts, and prev_correct is updated the same
+    (bool or float masks, as loss_mask.clone() makes prev_correct; a broadcasting prev)."""
     from speculators.models.metrics import compute_accuracy_single_step
 
     g = torch.Generator().manual_seed(3)
     pred = torch.randint(0, 4, (1, 300), generator=g)
     target = torch.randint(0, 4, (1, 300), generator=g)
-    mask = torch.rand(1, 300, generator=g) > 0.3 if with_mask else None
-    prev = torch.rand(1, 300, generator=g) > 0.2 if with_prev else None
+    mask = (torch.rand(1, 300, generator=g) > 0.3).to(mask_dtype) if mask_dtype else None
+    prev = None
+    if prev_rows:
+        prev = (torch.rand(prev_rows, 300, generator=g) > 0.2).to(mask_dtype or torch.bool)
+    with_prev = prev is not None
     prev_ours = prev.clone() if with_prev else None
     theirs = compute_accuracy_single_step(pred, target, mask, prev)
     ours = train.accuracy_counts(pred, target, mask, prev_ours)
