@@ -225,8 +225,9 @@ def accuracy_counts(pred_ids, target_ids, loss_mask=None, prev_correct=None):
         return torch.full((), n, dtype=torch.float, device=correct.device)
 
     correct = pred_ids == target_ids
-    cond_total = count(correct.numel())
-    if prev_correct is not None:
+    if prev_correct is None:
+        cond_total = count(correct.numel())
+    else:
         cond_total = prev_correct.sum().float()
         correct = torch.logical_and(prev_correct, correct, out=prev_correct)
     if loss_mask is None:
