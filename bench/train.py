@@ -61,6 +61,10 @@ TINY = dict(
 )
 
 
+VARIANTS = ("ours", "ours_syncs", "ours_workers", "speculators_fastest", "speculators_cli")
+WITH_WORKERS = ("ours_workers", "speculators_fastest", "speculators_cli")  # loader workers
+
+
 def make_verifier(path: Path, shape: dict) -> Path:
     """A verifier folder holding only what the draft needs: config, embeddings, norm, lm_head."""
     from safetensors.torch import save_file
@@ -189,7 +193,11 @@ class StepClock:
             ]
             busy = sum(e.device_time for e in kernels) / 1e6  # microseconds -> seconds
             self.gpu_busy = round(busy / wall, 3)
-            self.table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            averages = self.prof.key_averages()
+            self.table = "\n".join(
+                averages.table(sort_by=key, row_limit=25)
+                for key in ("self_cpu_time_total", "self_device_time_total")
+            )
         except Exception as exc:  # noqa: BLE001
             print(f"profiler failed: {exc}", flush=True)
         self.prof = None
@@ -253,20 +261,16 @@ def real_tokens_per_batch(loader, epoch: int, total_seq_len: int) -> list[int]:
     return out
 
 
-def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path) -> dict:
+def run_variant(
+    name: str, index: int, args, record, shards, manifests, vocab_map, out: Path
+) -> dict:
     from speculators.train import trainer as st
 
     from eagle3lib import train
     from eagle3lib.config import TrainConfig
 
     optimizer = "muon" if name == "speculators_cli" else "adamw"
-    log_every = {
-        "ours": 100,
-        "ours_workers": 100,
-        "ours_syncs": 100,
-        "speculators_fastest": 10**9,
-        "speculators_cli": 1,
-    }[name]
+    log_every = {"speculators_fastest": 10**9, "speculators_cli": 1}.get(name, 100)
     cfg = TrainConfig(
         epochs=1,
         total_seq_len=args.total_seq_len,
@@ -276,7 +280,7 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
         log_every=log_every,
         seed=0,
         val_fraction=0.02,
-        loader_workers=0 if name in ("ours", "ours_syncs") else args.workers,
+        loader_workers=args.workers if name in WITH_WORKERS else 0,
         loss="eager" if args.eager_loss else "auto",
         fsdp=args.fsdp,
     )
@@ -303,8 +307,8 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
     if name == "ours_syncs":  # the loss metrics with speculators' host syncs, for comparison
         base = type("StreamingTrainerWithSyncs", (base,), {"sync_free": False})
     cls = timed(base)
-    state = out / f"state-{name}"
-    if state.exists():
+    state = out / f"state-{name}-{index}"  # a repeated variant never resumes the earlier run
+    if state.exists() and os.environ.get("RANK", "0") == "0":  # other ranks wait in train()
         import shutil
 
         shutil.rmtree(state)
@@ -361,6 +365,13 @@ def run_variant(name: str, args, record, shards, manifests, vocab_map, out: Path
     }
 
 
+def paired_speedups(results: list[dict]) -> list[float]:
+    """Tokens/s of the i-th ``ours`` run over the i-th ``speculators_fastest`` run."""
+    ours = [r["tokens_per_s"] for r in results if r["variant"] == "ours"]
+    theirs = [r["tokens_per_s"] for r in results if r["variant"] == "speculators_fastest"]
+    return [round(a / b, 3) for a, b in zip(ours, theirs, strict=False)]
+
+
 def device_tag() -> str:
     if not torch.cuda.is_available():
         return "cpu"
@@ -408,6 +419,10 @@ def main() -> None:
     if smoke:
         args.workers = 0
 
+    names = args.variants.split(",")
+    if unknown := sorted(set(names) - set(VARIANTS)):
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+
     from eagle3lib import vocab
     from eagle3lib.verifier import materialize
 
@@ -424,9 +439,9 @@ def main() -> None:
     d2t, t2d = vocab.build(freq, args.draft_vocab)
 
     results = []
-    for name in args.variants.split(","):
+    for index, name in enumerate(names):
         results.append(
-            run_variant(name, args, record, shards, manifests, {"d2t": d2t, "t2d": t2d}, out)
+            run_variant(name, index, args, record, shards, manifests, {"d2t": d2t, "t2d": t2d}, out)
         )
         print(json.dumps(results[-1]), flush=True)
     from eagle3lib import train
@@ -435,16 +450,17 @@ def main() -> None:
     train.teardown_distributed()
     if rank != 0:
         return
-    by = {r["variant"]: r for r in results}
     summary = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "results": results,
     }
-    if "ours" in by and "speculators_fastest" in by:
-        summary["speedup_vs_speculators"] = round(
-            by["ours"]["tokens_per_s"] / by["speculators_fastest"]["tokens_per_s"], 3
-        )
+    pairs = paired_speedups(results)
+    if pairs:
+        # repeated variants (ours,speculators_fastest,ours,...) pair up in order; the median
+        # of the pairs is the figure, so one slow run does not decide it
+        summary["speedups_per_pair"] = pairs
+        summary["speedup_vs_speculators"] = round(float(np.median(pairs)), 3)
     kind = "fsdp" if args.fsdp else "ddp"
     name = "bench_train" + (
         f"_{kind}{results[0]['processes']}" if results[0]["processes"] > 1 else ""
@@ -462,9 +478,13 @@ def main() -> None:
         print(
             f"{r['variant']:22s} {r['optimizer']:9s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9d}"
         )
-    if "ours" in by:
-        print(f"train.{device_tag()}.tokens_per_s = {by['ours']['tokens_per_s']}")
-        print(f"train.data_wait_fraction = {by['ours']['data_wait_fraction']:.4f}")
+    ours = [r for r in results if r["variant"] == "ours"]
+    if ours:  # the median run of ours (the middle one of an odd number of repeats)
+        mid = sorted(ours, key=lambda r: r["tokens_per_s"])[(len(ours) - 1) // 2]
+        print(f"train.{device_tag()}.tokens_per_s = {mid['tokens_per_s']}")
+        print(f"train.data_wait_fraction = {mid['data_wait_fraction']:.4f}")
+    if len(pairs) > 1:
+        print("speedup per pair: " + ", ".join(f"{x:.3f}" for x in pairs))
     if "speedup_vs_speculators" in summary:
         print(f"train.{device_tag()}.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
 
