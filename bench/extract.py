@@ -8,9 +8,13 @@
 The verifier is a Llama-3.1-8B-architecture model with random bf16 weights (speed does not
 depend on the values), built in GPU memory. Sample lengths are drawn from the token lengths of
 the packaged ShareGPT conversations (bench/sharegpt_lengths.json, 100..2048). The timed path is
-the real one: eagle3lib.hidden_states.extract_samples, shards written and fsynced. The roofline
-is measured in the same run: 2 x parameters FLOPs per token over the measured bf16 matmul rate.
-It prints a table and `key = value` lines, and writes bench_extract.json to --out.
+the real one: eagle3lib.hidden_states.extract_samples, shards written, hashed and fsynced. The
+roofline is measured in the same run: the decoder's FLOPs per token (2 x the parameters without
+the embedding and the LM head, which extraction never multiplies) over the measured bf16 matmul
+rate; the older definition (2 x all parameters) is reported beside it. A plain forward over the
+same batches, without hooks or writes, is timed twice: as extraction runs it (no attention mask:
+right padding under causal attention) and with a padding mask (how it ran before).
+It prints `key = value` lines, and writes the full result to --json.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3lib import hidden_states  # noqa: E402
 from eagle3lib.config import ExtractConfig  # noqa: E402
+from eagle3lib.fileio import sha256_file  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -141,9 +146,15 @@ def one_job(args) -> dict:
     model = build_model(shape, args.gpus_per_job, dtype)
     build_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
+    decoder_params = (
+        n_params
+        - model.get_input_embeddings().weight.numel()
+        - model.get_output_embeddings().weight.numel()
+    )
     rate = matmul_tflops("cuda:0" if device == "cuda" else "cpu", 1.0 if args.smoke else 3.0)
     devices = sorted({str(p.device) for p in model.parameters()})
-    roofline = rate * 1e12 / (2 * n_params)
+    roofline = rate * 1e12 / (2 * decoder_params)
+    roofline_all = rate * 1e12 / (2 * n_params)
 
     layers = shape["num_hidden_layers"]
     aux = hidden_states.resolve_aux_layers(None, layers)
@@ -158,10 +169,30 @@ def one_job(args) -> dict:
     # Correctness before speed: the first samples equal a one-sample forward (bf16 tolerance).
     check = hidden_states.check_against_single_forward(model, aux, samples[:3])
 
-    # Plain forward over all the same batches, no hooks and no writes: the compute-only rate.
+    # Plain forward over all the same batches, no hooks and no writes: the compute-only rate,
+    # without a mask (as extraction runs) and with a padding mask (as it ran before).
     dev = hidden_states.input_device(model)
     decoder = model.get_decoder()
     batches = hidden_states.length_batches(lengths, cfg.batch_tokens)
+
+    def forward_only(masked: bool) -> float:
+        with torch.inference_mode():
+            sync(device)
+            t = time.perf_counter()
+            for b in batches:
+                ids = np.zeros((len(b), lengths[b[0]]), dtype=np.int64)
+                mask = np.zeros_like(ids)
+                for r, i in enumerate(b):
+                    ids[r, : lengths[i]] = samples[i]
+                    mask[r, : lengths[i]] = 1
+                decoder(
+                    input_ids=torch.as_tensor(ids).to(dev),
+                    attention_mask=torch.as_tensor(mask).to(dev) if masked else None,
+                    use_cache=False,
+                )
+            sync(device)
+            return sum(lengths) / (time.perf_counter() - t)
+
     with torch.inference_mode():
         for b in batches[:2]:  # warm-up
             decoder(
@@ -170,21 +201,8 @@ def one_job(args) -> dict:
                 ),
                 use_cache=False,
             )
-        sync(device)
-        t = time.perf_counter()
-        for b in batches:
-            ids = np.zeros((len(b), lengths[b[0]]), dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for r, i in enumerate(b):
-                ids[r, : lengths[i]] = samples[i]
-                mask[r, : lengths[i]] = 1
-            decoder(
-                input_ids=torch.as_tensor(ids).to(dev),
-                attention_mask=torch.as_tensor(mask).to(dev),
-                use_cache=False,
-            )
-        sync(device)
-        fwd_rate = sum(lengths) / (time.perf_counter() - t)
+    fwd_rate = forward_only(masked=False)
+    fwd_masked_rate = forward_only(masked=True)
 
     t = time.perf_counter()
     stats = hidden_states.extract_samples(
@@ -198,6 +216,7 @@ def one_job(args) -> dict:
     )
     wall = time.perf_counter() - t
     size = shard.stat().st_size
+    hash_ok = stats["sha256"] == sha256_file(shard) if args.verify_hash else None
     if not args.keep:
         shard.unlink()
     return {
@@ -205,15 +224,19 @@ def one_job(args) -> dict:
         "gpus_per_job": args.gpus_per_job,
         "model_devices": devices,
         "params": n_params,
+        "decoder_params": decoder_params,
         "model_build_seconds": round(build_s, 1),
         "matmul_tflops": round(rate, 1),
         "roofline_tokens_per_s": round(roofline),
+        "roofline_all_params_tokens_per_s": round(roofline_all),
         "forward_only_tokens_per_s": round(fwd_rate),
+        "forward_only_masked_tokens_per_s": round(fwd_masked_rate),
         "tokens": int(sum(lengths)),
         "samples": len(lengths),
         "seconds": round(wall, 3),
         "tokens_per_s": round(sum(lengths) / wall),
         "roofline_fraction": round(sum(lengths) / wall / roofline, 4),
+        "roofline_all_params_fraction": round(sum(lengths) / wall / roofline_all, 4),
         "write_gb_per_s": round(size / wall / 1e9, 3),
         "shard_bytes": size,
         "bytes_per_token": round(size / sum(lengths), 2),
@@ -223,6 +246,8 @@ def one_job(args) -> dict:
             stats["padded_tokens"] / max(stats["padded_tokens"] + sum(lengths), 1), 4
         ),
         "writer_seconds": round(stats["write_seconds"], 2),
+        "hash_seconds": round(stats["hash_seconds"], 2),
+        "sha256_matches_file": hash_ok,
         "producer_stall_seconds": round(stats["stall_seconds"], 2),
         "start": t,
         "end": t + wall,
@@ -242,6 +267,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench"))
     p.add_argument("--keep", action="store_true", help="keep the shard files")
+    p.add_argument(
+        "--verify-hash", action="store_true", help="read the shard back: sha256 == the writer's"
+    )
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument(
         "--baseline", default=None, help="a one-job --json result, for scaling efficiency"
@@ -316,6 +344,12 @@ def main() -> None:
         )
         print(f"{prefix}.tokens_per_s = {result['tokens_per_s']}")
         print(f"{prefix}.roofline_fraction = {result['roofline_fraction']}")
+        print(f"{prefix}.roofline_all_params_fraction = {result['roofline_all_params_fraction']}")
+        print(f"{prefix}.forward_only_tokens_per_s = {result['forward_only_tokens_per_s']}")
+        print(
+            f"{prefix}.forward_only_masked_tokens_per_s = "
+            f"{result['forward_only_masked_tokens_per_s']}"
+        )
         print(f"{prefix}.write_gb_per_s = {result['write_gb_per_s']}")
         print(f"{prefix}.bytes_per_token = {result['bytes_per_token']}")
 

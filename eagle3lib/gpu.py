@@ -126,6 +126,19 @@ def leaked(
     ]
 
 
+def settled_snapshot(
+    devices: Sequence[int], before: dict[str, Any], wait: float = 1.0, poll: float = 0.1
+) -> dict[str, Any]:
+    """NVML reading after a job: the driver frees an exited process's memory a moment later,
+    so read again every ``poll`` seconds, for at most ``wait``, until no device shows a leak."""
+    deadline = time.monotonic() + wait
+    while True:
+        after = nvml_snapshot(devices)
+        if not leaked(before, after) or time.monotonic() >= deadline:
+            return after
+        time.sleep(poll)
+
+
 def _raise_exit(signum, _frame):
     raise SystemExit(128 + signum)
 
@@ -169,8 +182,7 @@ def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path)
         # Anything the job started and left running (a server, a worker) holds memory:
         # record it, read NVML while it still runs, then stop it before the lease ends.
         stragglers = group_alive(proc.pid)
-        time.sleep(1.0 if gpus else 0.0)
-        after = nvml_snapshot(devices or None)
+        after = settled_snapshot(devices, before) if gpus else nvml_snapshot(None)
         if stragglers:
             stop_group(proc.pid)
     if rc != 0:

@@ -4,24 +4,29 @@ Layer id k is the residual stream entering decoder layer k (HF ``output_hidden_s
 the last slot of every token is the output of the final decoder layer *before* the final norm
 (HF's last ``output_hidden_states`` entry is after the norm, which would corrupt the targets).
 
-A shard is one safetensors file whose layout is fixed before the forward passes start, so
-batches (sorted by length, right-padded) are written in place at their final offsets by a
-background thread while the next batch computes:
+A shard is one safetensors file whose layout is fixed before the forward passes start. Batches
+(sorted by length, right-padded) are computed in ``order``, and their states are stored in that
+same order, so the file is written front to back by a background thread while the next batch
+computes, and its sha256 is computed on the way (no read-back):
 
-    hidden_states [tokens, len(aux)+1, hidden] bf16   (aux layers in config order, then final)
-    input_ids     [tokens] int32
-    loss_mask     [tokens] uint8
-    offsets       [samples+1] int64                    sample i = rows offsets[i]:offsets[i+1]
+    hidden_states [tokens, len(aux)+1, hidden] bf16   (aux layers in config order, then final;
+                                                        rows in processing order)
+    input_ids     [tokens] int32                       (sample order)
+    loss_mask     [tokens] uint8                       (sample order)
+    offsets       [samples+1] int64                    sample i's tokens = offsets[i]:offsets[i+1]
+    row_starts    [samples] int64                      sample i's states start at this row
     valid         [samples] uint8                      0 = rejected (non-finite states)
 
 The file is written under a temporary name and renamed when complete; ``shard-<i>.json`` (the
-manifest) records what made it and the file's size and sha256.
+manifest) records what made it and the file's size and sha256. Shards of format 1 (states in
+sample order, no ``row_starts``) are still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import queue
@@ -39,7 +44,7 @@ import torch
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
 
-SHARD_FORMAT = "eagle3lib.shard/1"
+SHARD_FORMAT = "eagle3lib.shard/2"
 STATE_DTYPE = torch.bfloat16
 
 
@@ -128,21 +133,20 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 def forward_batch(
     decoder, capture: Capture, samples: Sequence[np.ndarray], device: torch.device
 ) -> tuple[torch.Tensor, list[int]]:
-    """Right-padded [B, T, len(aux)+1, hidden] states of one batch, and the true lengths."""
+    """Right-padded [B, T, len(aux)+1, hidden] states of one batch, and the true lengths.
+
+    No attention mask: the padding is on the right and attention is causal, so no real token
+    ever attends to a pad, and the positions of real tokens are 0..n-1 as in a one-sample
+    forward. Without a mask the attention runs as plain causal attention (flash kernels on a
+    GPU) instead of a masked kernel; the states are equal (tests compare batched states with
+    one-sample forwards)."""
     lengths = [len(s) for s in samples]
     width = max(lengths)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
     for b, s in enumerate(samples):
         ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        mask[b, : len(s)] = 1
     ids = ids.pin_memory() if device.type == "cuda" else ids
-    mask = mask.pin_memory() if device.type == "cuda" else mask
-    decoder(
-        input_ids=ids.to(device, non_blocking=True),
-        attention_mask=mask.to(device, non_blocking=True),
-        use_cache=False,
-    )
+    decoder(input_ids=ids.to(device, non_blocking=True), use_cache=False)
     return capture.stacked(device), lengths  # on the input device, where the writer's stream is
 
 
@@ -159,9 +163,17 @@ def forward_states(
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
+    """Shapes and byte offsets of a shard. ``order`` is the order in which samples' states are
+    put and stored (default: sample order)."""
+
     lengths: tuple[int, ...]
     n_layers: int
     hidden: int
+    order: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.order is not None and sorted(self.order) != list(range(len(self.lengths))):
+            raise ValueError("ShardLayout.order must be a permutation of the sample indices")
 
     @property
     def tokens(self) -> int:
@@ -171,6 +183,19 @@ class ShardLayout:
     def row_bytes(self) -> int:
         return self.n_layers * self.hidden * 2
 
+    @property
+    def put_order(self) -> tuple[int, ...]:
+        return self.order if self.order is not None else tuple(range(len(self.lengths)))
+
+    def row_starts(self) -> np.ndarray:
+        """First state row of each sample (in sample order)."""
+        starts = np.zeros(len(self.lengths), dtype=np.int64)
+        row = 0
+        for i in self.put_order:
+            starts[i] = row
+            row += self.lengths[i]
+        return starts
+
     def tensors(self) -> list[tuple[str, str, list[int], int]]:
         n, t = len(self.lengths), self.tokens
         return [
@@ -178,6 +203,7 @@ class ShardLayout:
             ("input_ids", "I32", [t], 4 * t),
             ("loss_mask", "U8", [t], t),
             ("offsets", "I64", [n + 1], 8 * (n + 1)),
+            ("row_starts", "I64", [n], 8 * n),
             ("valid", "U8", [n], n),
         ]
 
@@ -196,13 +222,16 @@ class ShardLayout:
 
 
 class ShardWriter:
-    """Writes one shard in place: states land at their final offsets from a background thread.
+    """Writes one shard front to back from background threads, hashing it on the way.
 
     ``put_batch`` never waits for the disk or, on a GPU, for the device: states are cast to
     bf16 and checked for non-finite values on the device, copied into a pinned host buffer on a
-    side stream, and the writer thread waits for that copy before writing. A bounded pool of
-    staging buffers gives back-pressure when the disk is the bottleneck. The writer syncs every
-    ``sync_every`` bytes so dirty pages never pile up behind the final fsync.
+    side stream, and the writer thread waits for that copy before writing. Samples must be put
+    in ``layout.put_order``, so every write lands right after the previous one and a second
+    thread feeds the same bytes, in file order, to sha256 (``close`` returns the digest; the
+    file is never read back). A bounded pool of staging buffers gives back-pressure when the
+    disk or the hash is the bottleneck. The writer syncs every ``sync_every`` bytes so dirty
+    pages never pile up behind the final fsync.
     """
 
     def __init__(
@@ -219,13 +248,16 @@ class ShardWriter:
         self.path = path
         self.layout = layout
         self.offsets = np.concatenate([[0], np.cumsum(layout.lengths)]).astype(np.int64)
+        self.row_starts = layout.row_starts()
         self.valid = np.ones(len(layout.lengths), dtype=np.uint8)
         self.sync_every = sync_every
+        self._expected = iter(layout.put_order)
         self._atomic = atomic_path(path)
         self.tmp = self._atomic.__enter__()
         self.fd = -1
         header = layout.header(metadata)
         self.data_start = len(header)
+        self._hash = hashlib.sha256(header)
         size = self.data_start + layout.data_bytes()
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY)
@@ -253,22 +285,27 @@ class ShardWriter:
         if self.cuda:
             self._stream = torch.cuda.Stream(device)
             rows = max(max_batch_rows, max(layout.lengths, default=1))
-            for _ in range(buffers):
-                self._free.put(
-                    torch.empty(rows * layout.row_bytes // 2, dtype=STATE_DTYPE, pin_memory=True)
-                )
+            self._buffer_elements = rows * layout.row_bytes // 2
+            self._buffers_left = buffers  # allocated when first needed, while the GPU computes
         self._queue: queue.Queue = queue.Queue(maxsize=buffers)
+        self._hash_queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.bytes_written = 0
         self.write_seconds = 0.0
+        self.hash_seconds = 0.0
         self.stall_seconds = 0.0  # producer time spent waiting for a free staging buffer
         self._unsynced = 0
+        self._row = 0  # the next state row to write
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._hasher = threading.Thread(target=self._run_hash, name="shard-hash", daemon=True)
         self._thread.start()
+        self._hasher.start()
 
     def _run(self) -> None:
+        """Write each batch's samples at the next rows of the file, then hand them to hashing."""
         while (item := self._queue.get()) is not None:
             event, host, bad, samples, lengths, pinned = item
+            parts = []
             try:
                 if self._error is not None:
                     continue
@@ -278,14 +315,15 @@ class ShardWriter:
                 t0 = time.perf_counter()
                 for b, (sample, n) in enumerate(zip(samples, lengths, strict=True)):
                     if flags[b]:
-                        self.valid[sample] = 0
-                        continue
+                        self.valid[sample] = 0  # its (non-finite) rows are stored, never read
                     rows = host[b, :n].view(torch.uint8).numpy()
-                    pos = self.data_start + int(self.offsets[sample]) * self.layout.row_bytes
+                    pos = self.data_start + self._row * self.layout.row_bytes
                     os.pwrite(self.fd, rows, pos)
                     # Start writeback of these pages now (asynchronously) instead of letting
                     # dirty pages pile up for the final fsync; clean pages leave the cache.
                     os.posix_fadvise(self.fd, pos, rows.nbytes, os.POSIX_FADV_DONTNEED)
+                    parts.append(rows)
+                    self._row += n
                     self.bytes_written += rows.nbytes
                     self._unsynced += rows.nbytes
                 if self._unsynced >= self.sync_every:
@@ -295,6 +333,23 @@ class ShardWriter:
             except BaseException as exc:  # surfaced in put_batch()/close()
                 self._error = exc
             finally:
+                # the staging buffer goes back to the pool once its bytes are hashed
+                self._hash_queue.put((parts, pinned))
+        self._hash_queue.put(None)
+
+    def _run_hash(self) -> None:
+        """sha256 of the state rows in file order (hashlib releases the GIL on large data)."""
+        while (item := self._hash_queue.get()) is not None:
+            parts, pinned = item
+            try:
+                if self._error is None:
+                    t0 = time.perf_counter()
+                    for rows in parts:
+                        self._hash.update(rows)
+                    self.hash_seconds += time.perf_counter() - t0
+            except BaseException as exc:
+                self._error = exc
+            finally:
                 if pinned is not None:
                     self._free.put(pinned)
 
@@ -302,11 +357,21 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
+    def _check_order(self, samples: Sequence[int]) -> None:
+        for sample in samples:
+            expected = next(self._expected, None)
+            if sample != expected:
+                raise ValueError(
+                    f"ShardWriter: sample {sample} put where the layout expects {expected}"
+                )
+
     def put_batch(
         self, samples: Sequence[int], states: torch.Tensor, lengths: Sequence[int]
     ) -> None:
-        """Queue a right-padded batch [B, T, layers, hidden] (any device, any float dtype)."""
+        """Queue a right-padded batch [B, T, layers, hidden] (any device, any float dtype) of
+        the next samples of ``layout.put_order``."""
         self._raise_pending()
+        self._check_order(samples)
         states = states.to(STATE_DTYPE)
         lens = torch.tensor(list(lengths), dtype=torch.long)
         if states.is_cuda:  # never a blocking copy on the producer's path
@@ -318,7 +383,14 @@ class ShardWriter:
             self._queue.put(item)
             return
         t0 = time.perf_counter()
-        pinned = self._free.get()  # waits while the disk is behind
+        try:
+            pinned = self._free.get_nowait()
+        except queue.Empty:
+            if self._buffers_left:
+                self._buffers_left -= 1
+                pinned = torch.empty(self._buffer_elements, dtype=STATE_DTYPE, pin_memory=True)
+            else:
+                pinned = self._free.get()  # waits while the disk (or the hash) is behind
         self.stall_seconds += time.perf_counter() - t0
         host = pinned[: states.numel()].view(states.shape)
         bad_host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
@@ -337,21 +409,32 @@ class ShardWriter:
         """Queue one sample's [len, layers, hidden] states."""
         self.put_batch([sample], states[None], [states.shape[0]])
 
-    def close(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        """Write the token tensors and the valid flags, sync and rename into place."""
+    def _join(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        self._hasher.join()
+
+    def close(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+        """Write the token tensors and the valid flags, sync, rename into place; return the
+        file's sha256."""
+        self._join()
         try:
             self._raise_pending()
+            if self._row != self.layout.tokens:
+                raise ValueError(
+                    f"ShardWriter: {self._row} of {self.layout.tokens} state rows were put"
+                )
             pos = self.layout.tokens * self.layout.row_bytes
             for array in (
                 input_ids.astype(np.int32),
                 loss_mask.astype(np.uint8),
                 self.offsets,
+                self.row_starts,
                 self.valid,
             ):
                 data = np.ascontiguousarray(array).tobytes()
                 os.pwrite(self.fd, data, self.data_start + pos)
+                self._hash.update(data)
                 pos += len(data)
             os.fsync(self.fd)
             os.close(self.fd)
@@ -360,11 +443,11 @@ class ShardWriter:
             self.abort()
             raise exc
         self._atomic.__exit__(None, None, None)
+        return self._hash.hexdigest()
 
     def abort(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+            self._join()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -386,15 +469,20 @@ class Shard:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     offsets: np.ndarray
+    row_starts: np.ndarray  # where each sample's states start (format 1: offsets[:-1])
     valid: np.ndarray
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
     def sample(self, i: int) -> dict[str, Any]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        row = int(self.row_starts[i])
         return {
-            "hidden_states": self.hidden_states[a:b],
+            "hidden_states": self.hidden_states[row : row + b - a],
             "input_ids": torch.from_numpy(self.input_ids[a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(self.loss_mask[a:b].astype(bool)),
         }
@@ -433,12 +521,14 @@ def open_shard(path: Path) -> Shard:
 
     hs = view("hidden_states", np.uint16)
     hidden_states = torch.from_numpy(hs).view(torch.bfloat16)
+    offsets = view("offsets", np.int64)
     return Shard(
         path=path,
         hidden_states=hidden_states,
         input_ids=view("input_ids", np.int32),
         loss_mask=view("loss_mask", np.uint8),
-        offsets=view("offsets", np.int64),
+        offsets=offsets,
+        row_starts=view("row_starts", np.int64) if "row_starts" in header else offsets[:-1],
         valid=view("valid", np.uint8),
     )
 
@@ -506,6 +596,21 @@ def iter_progress(items: Sequence, total_tokens: int, log_every: float = 10.0) -
 # ---- one extraction job ----------------------------------------------------------------------
 
 
+class Phases:
+    """When each step of a job ended, in seconds since its process started (interpreter
+    start-up and imports included); each is also logged as ``extract: <name> at N s``."""
+
+    def __init__(self):
+        import psutil
+
+        self.start = psutil.Process().create_time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(time.time() - self.start, 2)
+        print(f"extract: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -525,14 +630,16 @@ def extract_samples(
     cfg,
     shard_path: Path,
     metadata: dict[str, str],
+    phases: Phases | None = None,
 ) -> dict[str, Any]:
     """Forward ``samples`` through ``model`` in length-sorted batches and write one shard."""
     from eagle3lib.verifier import decoder_layers, text_config, text_decoder
 
     device = input_device(model)
     lengths = tuple(len(s) for s in samples)
-    layout = ShardLayout(lengths, len(aux) + 1, text_config(model.config).hidden_size)
     batches = length_batches(lengths, cfg.batch_tokens)
+    order = tuple(i for batch in batches for i in batch)  # states are stored as computed
+    layout = ShardLayout(lengths, len(aux) + 1, text_config(model.config).hidden_size, order)
     padded = sum(len(b) * lengths[b[0]] for b in batches) - layout.tokens
     decoder = text_decoder(model)  # the language model alone: no vision tower, no LM head
     capture = Capture(decoder_layers(model), aux)
@@ -543,27 +650,35 @@ def extract_samples(
         device=device,
         max_batch_rows=max(len(b) * lengths[b[0]] for b in batches),
     )
+    if phases:
+        phases.mark("shard writer ready")
     t0 = time.perf_counter()
     try:
         work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
         for batch in iter_progress(work, layout.tokens):
             states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
             writer.put_batch(batch, states, [lengths[i] for i in batch])
-        writer.close(np.concatenate(samples), np.concatenate(masks))
+        sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
     except BaseException:
         writer.abort()
         raise
     finally:
         capture.remove()
-    seconds = time.perf_counter() - t0
+    return writer_stats(writer, time.perf_counter() - t0, padded, sha256)
+
+
+def writer_stats(writer: ShardWriter, seconds: float, padded: int, sha256: str) -> dict[str, Any]:
+    tokens = writer.layout.tokens
     return {
-        "tokens": layout.tokens,
+        "tokens": tokens,
         "padded_tokens": padded,
         "seconds": seconds,
-        "tokens_per_s": layout.tokens / seconds if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
         "write_seconds": writer.write_seconds,
+        "hash_seconds": writer.hash_seconds,
         "stall_seconds": writer.stall_seconds,
         "valid": writer.valid,
+        "sha256": sha256,
     }
 
 
@@ -603,7 +718,8 @@ def extract_samples_vllm(
     from safetensors.torch import load_file
 
     lengths = tuple(len(s) for s in samples)
-    layout = ShardLayout(lengths, n_layers, layout_hidden)
+    order = sorted(range(len(samples)), key=lambda i: -lengths[i])  # longest first
+    layout = ShardLayout(lengths, n_layers, layout_hidden, tuple(order))
     writer = ShardWriter(shard_path, layout, metadata)
 
     def fetch(i: int) -> torch.Tensor:
@@ -628,7 +744,6 @@ def extract_samples_vllm(
         return states
 
     t0 = time.perf_counter()
-    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency)
     try:
         # At most 2 x concurrency samples in flight or waiting to be written: memory stays
@@ -641,23 +756,14 @@ def extract_samples_vllm(
                 futures[nxt] = pool.submit(fetch, nxt)
             states = futures.pop(i).result()
             writer.put_batch([i], states[None], [lengths[i]])
-        writer.close(np.concatenate(samples), np.concatenate(masks))
+        sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         writer.abort()
         raise
     finally:
         pool.shutdown(wait=True)
-    seconds = time.perf_counter() - t0
-    return {
-        "tokens": layout.tokens,
-        "padded_tokens": 0,
-        "seconds": seconds,
-        "tokens_per_s": layout.tokens / seconds if seconds else 0.0,
-        "write_seconds": writer.write_seconds,
-        "stall_seconds": writer.stall_seconds,
-        "valid": writer.valid,
-    }
+    return writer_stats(writer, time.perf_counter() - t0, 0, sha256)
 
 
 def check_against_single_forward(
@@ -714,6 +820,8 @@ def extract_shard(
     from eagle3lib.fileio import remove_stale_temps, write_json
     from eagle3lib.verifier import device_map_for_job, identity, load_model
 
+    phases = Phases()
+    phases.mark("started")
     for output in (shard_path, manifest_path):
         remove_stale_temps(output)  # a killed earlier attempt's half-written shard
     start, stop = shard_range(len(samples), shard, cfg.shards)
@@ -777,8 +885,13 @@ def extract_shard(
             shutil.rmtree(storage, ignore_errors=True)
     else:
         # several leased GPUs: the layers are spread over them (a verifier bigger than one)
+        t0 = time.perf_counter()
         model = load_model(record, dtype, device_map=device_map_for_job())
-        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata)
+        load_seconds = time.perf_counter() - t0
+        phases.mark("verifier loaded")
+        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
+        stats["model_load_seconds"] = load_seconds
+    phases.mark("shard written")
     rejected = [
         {"id": sample_ids[start + i], "reason": "non-finite hidden states"}
         for i in np.flatnonzero(stats.pop("valid") == 0).tolist()
@@ -797,10 +910,12 @@ def extract_shard(
         "file": {
             "name": shard_path.name,
             "bytes": shard_path.stat().st_size,
-            "sha256": sha256_file(shard_path),
+            "sha256": stats.pop("sha256"),  # computed while the shard was written
         },
     }
     write_json(manifest_path, manifest)
+    phases.mark("manifest written")
+    stats["phases"] = phases.marks
     stats["rejected"] = len(rejected)
     stats["write_gb_per_s"] = (
         manifest["file"]["bytes"] / stats["write_seconds"] / 1e9 if stats["write_seconds"] else None

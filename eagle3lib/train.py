@@ -8,6 +8,7 @@ and 8 in reference/speculators.md) without touching its GPU path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -39,8 +40,11 @@ _VERIFIED: set[tuple] = set()
 def open_verified_shards(
     shard_paths: Sequence[Path], manifest_paths: Sequence[Path], expect: dict[str, Any]
 ) -> list[Shard]:
-    """Open every shard after checking it against its manifest (size, hash, what made it)."""
-    shards = []
+    """Open every shard after checking it against its manifest (size, hash, what made it).
+
+    The shards are hashed in parallel threads (hashlib and file reads release the GIL), so the
+    check runs at the disk's read rate rather than one core's hashing rate."""
+    checks = []
     for shard_path, manifest_path in zip(shard_paths, manifest_paths, strict=True):
         manifest = read_json(manifest_path)
         check_manifest(manifest, expect, str(manifest_path))
@@ -53,18 +57,32 @@ def open_verified_shards(
             manifest["file"]["sha256"],
         )
         # one full hash per shard and process; under DDP only rank 0 reads the shards to hash
+        checks.append((path, manifest, Path(manifest_path), key))
+
+    def check(item) -> UserError | None:
+        path, manifest, _, key = item
         try:
             check_shard(path, manifest, full_hash=key not in _VERIFIED and distributed_rank() == 0)
         except UserError as exc:
-            # never trained on: without its manifest the next run rebuilds the shard
-            Path(manifest_path).unlink(missing_ok=True)
-            raise UserError(
-                f"{str(exc).split(';')[0]}; removed its manifest {manifest_path}: rerun the "
-                "workflow to rebuild this shard"
-            ) from None
-        _VERIFIED.add(key)
-        shards.append(open_shard(path))
-    return shards
+            return exc
+        return None
+
+    workers = max(1, min(len(checks), os.cpu_count() or 1, 8))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        problems = list(pool.map(check, checks))
+    damaged = [(item, exc) for item, exc in zip(checks, problems, strict=True) if exc]
+    for (_, _, manifest_path, _), _exc in damaged:
+        # never trained on: without its manifest the next run rebuilds the shard
+        manifest_path.unlink(missing_ok=True)
+    if damaged:
+        (_, _, manifest_path, _), exc = damaged[0]
+        others = f" (and {len(damaged) - 1} more damaged shard(s))" if len(damaged) > 1 else ""
+        raise UserError(
+            f"{str(exc).split(';')[0]}{others}; removed its manifest {manifest_path}: rerun the "
+            "workflow to rebuild this shard"
+        )
+    _VERIFIED.update(key for *_, key in checks)
+    return [open_shard(path) for path, *_ in checks]
 
 
 def split_indices(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,7 +245,9 @@ def model_auto_class(config, trust_remote_code: bool):
 
 
 def load_model(record: dict[str, Any], dtype, device_map=None):
-    """The verifier with its LM head (causal LM or multimodal wrapper) in eval mode."""
+    """The verifier with its LM head (causal LM or multimodal wrapper) in eval mode. The job's
+    log gets one line with the time it took (``verifier: loaded ... in N s``)."""
+    t0 = time.perf_counter()
     config = load_config(record)
     auto = model_auto_class(config, record["trust_remote_code"])
     model = auto.from_pretrained(
@@ -255,6 +259,11 @@ def load_model(record: dict[str, Any], dtype, device_map=None):
         use_safetensors=not record["allow_pickle"],
     )
     model.eval()
+    print(
+        f"verifier: loaded {record['name']} in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return model
 
 

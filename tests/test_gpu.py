@@ -39,6 +39,22 @@ def test_leaked_memory_is_named_per_device():
     assert gpu.leaked({"available": False}, {"available": False}) == []
 
 
+def test_reading_after_a_job_waits_for_the_driver_to_free_memory(monkeypatch):
+    """NVML itself is absent here: the readings are scripted (used MiB per call)."""
+
+    def reading(used):
+        return {"available": True, "devices": [{"index": 0, "used_mib": used, "pids": []}]}
+
+    before = reading(500.0)
+    readings = iter([9000.0, 9000.0, 510.0, 9000.0])
+    monkeypatch.setattr(gpu, "nvml_snapshot", lambda _devices: reading(next(readings)))
+    assert gpu.settled_snapshot([0], before, wait=5, poll=0.01) == reading(510.0)
+    readings = iter([9000.0] * 1000)
+    t0 = time.monotonic()
+    after = gpu.settled_snapshot([0], before, wait=0.2, poll=0.01)
+    assert after == reading(9000.0) and 0.2 <= time.monotonic() - t0 < 2  # a real leak stays
+
+
 def run_job(tmp_path, name, pool, gpus, command):
     """A gpu_job wrapper process over a fake device pool (CUDA_VISIBLE_DEVICES)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": pool}

@@ -6,7 +6,7 @@ import torch
 from eagle3lib import data, hidden_states
 from eagle3lib.config import ExtractConfig, PrepareConfig
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import read_json
+from eagle3lib.fileio import read_json, sha256_file
 from eagle3lib.verifier import decoder_layers
 
 
@@ -137,6 +137,73 @@ def test_shard_bytes_per_token_are_states_plus_five(extracted):
     manifest = read_json(tmp / "shard-1.json")
     per_token = manifest["file"]["bytes"] / manifest["tokens"]
     assert 4 * 64 * 2 + 5 <= per_token <= 1.01 * 4 * 64 * 2 + 5
+
+
+def test_states_are_stored_as_computed_and_hashed_while_written(extracted):
+    """The manifest's sha256 (computed from the bytes as they were written, no read-back) is
+    the file's; states sit in processing order (longest first), tokens in sample order."""
+    tmp, samples, _, cfg, _ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    assert manifest["file"]["sha256"] == sha256_file(tmp / "shard-1.safetensors")
+    shard = hidden_states.open_shard(tmp / "shard-1.safetensors")
+    lengths = manifest["token_counts"]
+    assert len(set(lengths)) > 1
+    order = [i for b in hidden_states.length_batches(lengths, cfg.batch_tokens) for i in b]
+    assert order != list(range(len(lengths)))  # the test means something
+    assert np.argsort(shard.row_starts, kind="stable").tolist() == order
+    assert shard.offsets.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+
+
+def write_two_samples(path, order, second):
+    layout = hidden_states.ShardLayout((3, 2), 2, 4, order)
+    writer = hidden_states.ShardWriter(path, layout, {"format": "test"})
+    states = {0: torch.ones(3, 2, 4), 1: second}
+    for i in layout.put_order:
+        writer.put_states(i, states[i])
+    return writer.close(np.arange(5), np.ones(5, np.uint8))
+
+
+@pytest.mark.parametrize("order", [None, (1, 0)])
+def test_writer_hash_equals_the_file_hash_in_any_order_with_rejected_samples(tmp_path, order):
+    bad = torch.full((2, 2, 4), 2.0)
+    bad[1, 0, 2] = float("inf")
+    digest = write_two_samples(tmp_path / "s.safetensors", order, bad)
+    assert digest == sha256_file(tmp_path / "s.safetensors")
+    shard = hidden_states.open_shard(tmp_path / "s.safetensors")
+    assert shard.valid.tolist() == [1, 0]
+    assert shard.sample(0)["hidden_states"].float().eq(1).all()
+    assert shard.sample(1)["input_ids"].tolist() == [3, 4]
+    assert shard.row_starts.tolist() == ([0, 3] if order is None else [2, 0])
+
+
+def test_writer_refuses_samples_out_of_layout_order(tmp_path):
+    layout = hidden_states.ShardLayout((3, 2), 2, 4, (1, 0))
+    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {})
+    with pytest.raises(ValueError, match="sample 0 put where the layout expects 1"):
+        writer.put_states(0, torch.ones(3, 2, 4))
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="permutation"):
+        hidden_states.ShardLayout((3, 2), 2, 4, (0, 0))
+
+
+def test_format_1_shards_without_row_starts_are_read(tmp_path):
+    from safetensors.torch import save_file
+
+    states = torch.arange(5 * 2 * 4, dtype=torch.float32).view(5, 2, 4).to(torch.bfloat16)
+    save_file(
+        {
+            "hidden_states": states,
+            "input_ids": torch.arange(5, dtype=torch.int32),
+            "loss_mask": torch.ones(5, dtype=torch.uint8),
+            "offsets": torch.tensor([0, 3, 5]),
+            "valid": torch.ones(2, dtype=torch.uint8),
+        },
+        str(tmp_path / "old.safetensors"),
+        metadata={"format": "eagle3lib.shard/1"},
+    )
+    shard = hidden_states.open_shard(tmp_path / "old.safetensors")
+    assert torch.equal(shard.sample(1)["hidden_states"], states[3:5])
 
 
 def test_extraction_is_deterministic_and_input_hash_tracks_inputs(

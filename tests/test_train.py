@@ -275,3 +275,33 @@ def test_sync_free_patches_are_scoped():
         assert core.torch.tensor is train._scalar_tensor
         assert core.torch.cat is torch.cat and metrics.torch.argmax is torch.argmax
     assert (metrics.compute_accuracy_single_step, metrics.torch, core.torch) == before
+
+
+def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_path):
+    """Training hashes every shard (in parallel) against its manifest; each damaged one loses
+    its manifest, so the next run rebuilds exactly those, and nothing is opened."""
+    import shutil
+
+    copies = []
+    for shard, manifest in zip(pipeline["shards"], pipeline["manifests"], strict=True):
+        shutil.copy(shard, tmp_path / shard.name)
+        shutil.copy(manifest, tmp_path / manifest.name)
+        copies.append((tmp_path / shard.name, tmp_path / manifest.name))
+    shards, manifests = zip(*copies, strict=True)
+    assert len(train.open_verified_shards(shards, manifests, {})) == 2  # intact: both open
+
+    def flip(path):  # same size, other content: only the sha256 can tell
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    flip(shards[1])
+    with pytest.raises(UserError, match=r"shard-1.safetensors: content does not match.*removed"):
+        train.open_verified_shards(shards, manifests, {})
+    assert manifests[0].exists() and not manifests[1].exists()
+
+    shutil.copy(pipeline["manifests"][1], manifests[1])
+    flip(shards[0])
+    with pytest.raises(UserError, match=r"shard-0.*\(and 1 more damaged shard\(s\)\)"):
+        train.open_verified_shards(shards, manifests, {})
+    assert not manifests[0].exists() and not manifests[1].exists()

