@@ -306,7 +306,7 @@ def main() -> None:
     p.add_argument("--verifier-dir", type=Path, default=None)
     p.add_argument("--work", type=Path, default=Path("/tmp/workflow_gpu"))
     p.add_argument("--skip-bench", action="store_true", help="no isolated extraction run")
-    p.add_argument("--skip-probe", action="store_true", help="no import and load probes")
+    p.add_argument("--load-probe", action="store_true", help="time verifier loads alone")
     a = p.parse_args()
     a.shards = a.shards or 2 * max(a.gpus, 1)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -330,9 +330,9 @@ def main() -> None:
     result["args"] = {k: str(v) for k, v in vars(a).items()}
     result["disk_free_gb_before_workflow"] = round(free / 1e9, 1)
 
-    if not a.skip_probe:
-        result["import_profile"] = import_profile()
-        log(f"imports: {json.dumps(result['import_profile'])}")
+    result["import_profile"] = import_profile()
+    log(f"imports: {json.dumps(result['import_profile'])}")
+    if a.load_probe:
         result["load_probe"] = probe_load(verifier)
 
     if not a.skip_bench:
