@@ -12,8 +12,9 @@ token ids stay below its 49,152), runs the isolated extraction benchmark (bench/
 the reference figure, then the workflow as a user runs it:
 ``snakemake --profile profiles/workstation`` with a config of ShareGPT conversations (the
 packaged file's first records, real lengths, at most 2,048 tokens), N shards, speculators'
-training recipe (the workflow's defaults) and replayed greedy evaluation on MT-bench. serve_check
-is off (the GPU image has no vLLM). Per job it reads Snakemake's benchmark files and the job
+training recipe (the workflow's defaults) and replayed greedy evaluation on MT-bench in fp32
+(bf16 would break the near-tie logits of random weights). serve_check is off (the GPU image has
+no vLLM). Per job it reads Snakemake's benchmark files and the job
 logs: wall seconds, tokens/s, model-load seconds; prints a table and `key = value` lines, and
 writes everything to <work>/workflow_gpu.json.
 """
@@ -196,6 +197,9 @@ def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dic
             "k": 3,
             "max_new_tokens": a.eval_tokens,
             "method": "replay",
+            # fp32: a random-weight verifier's logits are near ties, and bf16 rounding then
+            # makes teacher-forced argmax and greedy tokens differ (validation flags that)
+            "dtype": "float32",
             "gpus": gpu,
         },
         "serve_check": {"enabled": False},
