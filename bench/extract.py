@@ -161,7 +161,7 @@ def one_job(args) -> dict:
     lengths = draw_lengths(args.tokens, args.seed, args.max_len)
     rng = np.random.default_rng(args.seed + 1)
     samples = [rng.integers(0, shape["vocab_size"], n).astype(np.int64) for n in lengths]
-    cfg = ExtractConfig(batch_tokens=args.batch_tokens)
+    cfg = ExtractConfig(batch_tokens=args.batch_tokens, storage=args.storage)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shard = out / f"bench-shard-{os.getpid()}.safetensors"
@@ -201,8 +201,10 @@ def one_job(args) -> dict:
                 ),
                 use_cache=False,
             )
-    fwd_rate = forward_only(masked=False)
-    fwd_masked_rate = forward_only(masked=True)
+    fwd_rate = fwd_masked_rate = None
+    if not args.skip_forward:
+        fwd_rate = forward_only(masked=False)
+        fwd_masked_rate = forward_only(masked=True)
 
     t = time.perf_counter()
     stats = hidden_states.extract_samples(
@@ -229,8 +231,8 @@ def one_job(args) -> dict:
         "matmul_tflops": round(rate, 1),
         "roofline_tokens_per_s": round(roofline),
         "roofline_all_params_tokens_per_s": round(roofline_all),
-        "forward_only_tokens_per_s": round(fwd_rate),
-        "forward_only_masked_tokens_per_s": round(fwd_masked_rate),
+        "forward_only_tokens_per_s": fwd_rate and round(fwd_rate),
+        "forward_only_masked_tokens_per_s": fwd_masked_rate and round(fwd_masked_rate),
         "tokens": int(sum(lengths)),
         "samples": len(lengths),
         "seconds": round(wall, 3),
@@ -240,7 +242,11 @@ def one_job(args) -> dict:
         "write_gb_per_s": round(size / wall / 1e9, 3),
         "shard_bytes": size,
         "bytes_per_token": round(size / sum(lengths), 2),
-        "bytes_per_token_bound": 1.01 * (len(aux) + 1) * shape["hidden_size"] * 2,
+        "storage": args.storage,
+        "bytes_per_token_bound": 1.01
+        * hidden_states.ShardLayout(
+            (1,), len(aux) + 1, shape["hidden_size"], storage=args.storage
+        ).bytes_per_token,
         "check_vs_single_forward": check,
         "padding_fraction": round(
             stats["padded_tokens"] / max(stats["padded_tokens"] + sum(lengths), 1), 4
@@ -262,6 +268,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--storage", choices=("bf16", "fp8"), default="bf16", help="extract.storage")
+    p.add_argument("--skip-forward", action="store_true", help="no forward-only passes")
     p.add_argument("--jobs", type=int, default=1, help="shard jobs at once, one GPU lease each")
     p.add_argument("--gpus-per-job", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -304,6 +312,8 @@ def main() -> None:
                 str(args.gpus_per_job),
                 "--seed",
                 str(args.seed + j),
+                "--storage",
+                args.storage,
                 "--out",
                 args.out,
                 "--json",
@@ -339,8 +349,10 @@ def main() -> None:
             eff = result["aggregate_tokens_per_s"] / (args.jobs * single)
             print(f"extract.{args.jobs}x{tag}.scaling_efficiency = {eff:.3f}")
     else:
-        prefix = f"extract.{tag}" + (
-            f".gpus_per_job{args.gpus_per_job}" if args.gpus_per_job > 1 else ""
+        prefix = (
+            f"extract.{tag}"
+            + (f".gpus_per_job{args.gpus_per_job}" if args.gpus_per_job > 1 else "")
+            + (".fp8" if args.storage == "fp8" else "")
         )
         print(f"{prefix}.tokens_per_s = {result['tokens_per_s']}")
         print(f"{prefix}.roofline_fraction = {result['roofline_fraction']}")

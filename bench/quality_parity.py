@@ -221,7 +221,7 @@ def convert(run: dict, out_dir: Path, force: bool = False) -> dict[str, Any]:
         ids = shard.input_ids[a:b].astype(np.int64)
         save_file(
             {
-                "hidden_states": shard.hidden_states[a:b].clone(),  # [seq, L, hidden] bf16
+                "hidden_states": shard.sample(i)["hidden_states"].clone(),  # [seq, L, hidden]
                 "token_ids": torch.from_numpy(ids),
             },
             str(tmp / "hidden_states" / f"hs_{row}.safetensors"),

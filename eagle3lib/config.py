@@ -105,6 +105,7 @@ class ExtractConfig:
     gpus_per_job: int = 0
     backend: str = "hf"
     concurrency: int = 8
+    storage: str = "bf16"
 
     def __post_init__(self):
         errors = aux_layer_errors(self.aux_layers)

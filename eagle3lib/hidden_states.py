@@ -16,6 +16,12 @@ computes, and its sha256 is computed on the way (no read-back):
     offsets       [samples+1] int64                    sample i's tokens = offsets[i]:offsets[i+1]
     row_starts    [samples] int64                      sample i's states start at this row
     valid         [samples] uint8                      0 = rejected (non-finite states)
+    hidden_scales [tokens, len(aux)+1] float32         fp8 storage only (below)
+
+With ``extract.storage: fp8`` the states are float8 e4m3 with one float32 scale per token and
+layer slot: a row of the bf16 states divided by amax(|row|)/448 (448 is e4m3's largest value),
+so every row uses e4m3's whole range; its states read back as values x scale. Half the bytes of
+bf16. The scales are small (16 bytes a token at 4 slots) and written with the tail tensors.
 
 The file is written under a temporary name and renamed when complete; ``shard-<i>.json`` (the
 manifest) records what made it and the file's size and sha256. Shards of format 1 (states in
@@ -46,6 +52,25 @@ from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
 
 SHARD_FORMAT = "eagle3lib.shard/2"
 STATE_DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}  # manifest state_dtype
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scales) of ``states`` [..., hidden], one scale per row: what the
+    bf16 shard would hold, divided by amax(|row|)/448. A zero row gets scale 1."""
+    x = states.to(STATE_DTYPE).float()
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scale.unsqueeze(-1)).to(FP8), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """States [..., hidden] in ``dtype`` from e4m3 values (or their bytes, uint8) and scales."""
+    if values.dtype == torch.uint8:
+        values = values.view(FP8)
+    return (values.float() * scales.unsqueeze(-1)).to(dtype)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -170,10 +195,17 @@ class ShardLayout:
     n_layers: int
     hidden: int
     order: tuple[int, ...] | None = None
+    storage: str = "bf16"  # or "fp8" (e4m3 values, a float32 scale per token and layer slot)
 
     def __post_init__(self):
         if self.order is not None and sorted(self.order) != list(range(len(self.lengths))):
             raise ValueError("ShardLayout.order must be a permutation of the sample indices")
+        if self.storage not in STORAGE_DTYPES:
+            raise ValueError(f"ShardLayout.storage must be one of {sorted(STORAGE_DTYPES)}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.storage == "fp8"
 
     @property
     def tokens(self) -> int:
@@ -181,7 +213,13 @@ class ShardLayout:
 
     @property
     def row_bytes(self) -> int:
-        return self.n_layers * self.hidden * 2
+        """Bytes of one token's states."""
+        return self.n_layers * self.hidden * (1 if self.fp8 else 2)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes per token of the whole file, but for its header and per-sample tensors."""
+        return self.row_bytes + 4 + 1 + (4 * self.n_layers if self.fp8 else 0)
 
     @property
     def put_order(self) -> tuple[int, ...]:
@@ -197,15 +235,19 @@ class ShardLayout:
         return starts
 
     def tensors(self) -> list[tuple[str, str, list[int], int]]:
-        n, t = len(self.lengths), self.tokens
-        return [
-            ("hidden_states", "BF16", [t, self.n_layers, self.hidden], t * self.row_bytes),
+        n, t, slots = len(self.lengths), self.tokens, self.n_layers
+        dtype = "F8_E4M3" if self.fp8 else "BF16"
+        tensors = [
+            ("hidden_states", dtype, [t, slots, self.hidden], t * self.row_bytes),
             ("input_ids", "I32", [t], 4 * t),
             ("loss_mask", "U8", [t], t),
             ("offsets", "I64", [n + 1], 8 * (n + 1)),
             ("row_starts", "I64", [n], 8 * n),
             ("valid", "U8", [n], n),
         ]
+        if self.fp8:
+            tensors.append(("hidden_scales", "F32", [t, slots], 4 * t * slots))
+        return tensors
 
     def header(self, metadata: dict[str, str]) -> bytes:
         entries: dict[str, Any] = {"__metadata__": metadata}
@@ -285,7 +327,7 @@ class ShardWriter:
         if self.cuda:
             self._stream = torch.cuda.Stream(device)
             rows = max(max_batch_rows, max(layout.lengths, default=1))
-            self._buffer_elements = rows * layout.row_bytes // 2
+            self._buffer_bytes = rows * layout.row_bytes
             self._buffers_left = buffers  # allocated when first needed, while the GPU computes
         self._queue: queue.Queue = queue.Queue(maxsize=buffers)
         self._hash_queue: queue.Queue = queue.Queue()
@@ -296,6 +338,8 @@ class ShardWriter:
         self.stall_seconds = 0.0  # producer time spent waiting for a free staging buffer
         self._unsynced = 0
         self._row = 0  # the next state row to write
+        # fp8: the scales of every row, in file order (written with the tail tensors)
+        self.scales = np.ones((layout.tokens, layout.n_layers), np.float32) if layout.fp8 else None
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._hasher = threading.Thread(target=self._run_hash, name="shard-hash", daemon=True)
         self._thread.start()
@@ -304,7 +348,7 @@ class ShardWriter:
     def _run(self) -> None:
         """Write each batch's samples at the next rows of the file, then hand them to hashing."""
         while (item := self._queue.get()) is not None:
-            event, host, bad, samples, lengths, pinned = item
+            event, host, scales, bad, samples, lengths, pinned = item
             parts = []
             try:
                 if self._error is not None:
@@ -323,6 +367,8 @@ class ShardWriter:
                     # dirty pages pile up for the final fsync; clean pages leave the cache.
                     os.posix_fadvise(self.fd, pos, rows.nbytes, os.POSIX_FADV_DONTNEED)
                     parts.append(rows)
+                    if scales is not None:
+                        self.scales[self._row : self._row + n] = scales[b, :n].numpy()
                     self._row += n
                     self.bytes_written += rows.nbytes
                     self._unsynced += rows.nbytes
@@ -369,7 +415,8 @@ class ShardWriter:
         self, samples: Sequence[int], states: torch.Tensor, lengths: Sequence[int]
     ) -> None:
         """Queue a right-padded batch [B, T, layers, hidden] (any device, any float dtype) of
-        the next samples of ``layout.put_order``."""
+        the next samples of ``layout.put_order``. fp8 storage is quantized here, on the
+        states' device (the GPU), before the copy out."""
         self._raise_pending()
         self._check_order(samples)
         states = states.to(STATE_DTYPE)
@@ -378,8 +425,11 @@ class ShardWriter:
             lens = lens.pin_memory().to(states.device, non_blocking=True)
         real = torch.arange(states.shape[1], device=states.device)[None, :] < lens[:, None]
         bad = ((~torch.isfinite(states).flatten(2).all(-1)) & real).any(-1)  # [B]
+        scales = None
+        if self.layout.fp8:
+            states, scales = quantize_fp8(states)
         if not self.cuda:
-            item = (None, states.contiguous(), bad, list(samples), list(lengths), None)
+            item = (None, states.contiguous(), scales, bad, list(samples), list(lengths), None)
             self._queue.put(item)
             return
         t0 = time.perf_counter()
@@ -388,22 +438,29 @@ class ShardWriter:
         except queue.Empty:
             if self._buffers_left:
                 self._buffers_left -= 1
-                pinned = torch.empty(self._buffer_elements, dtype=STATE_DTYPE, pin_memory=True)
+                pinned = torch.empty(self._buffer_bytes, dtype=torch.uint8, pin_memory=True)
             else:
                 pinned = self._free.get()  # waits while the disk (or the hash) is behind
         self.stall_seconds += time.perf_counter() - t0
-        host = pinned[: states.numel()].view(states.shape)
+        nbytes = states.numel() * states.element_size()
+        host = pinned[:nbytes].view(states.dtype).view(states.shape)
         bad_host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+        scales_host = None
+        if scales is not None:
+            scales_host = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
         compute = torch.cuda.current_stream(states.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             host.copy_(states, non_blocking=True)
             bad_host.copy_(bad, non_blocking=True)
+            if scales is not None:
+                scales_host.copy_(scales, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
-        states.record_stream(self._stream)
-        bad.record_stream(self._stream)
-        self._queue.put((event, host, bad_host, list(samples), list(lengths), pinned))
+        for tensor in (states, bad, scales):
+            if tensor is not None:
+                tensor.record_stream(self._stream)
+        self._queue.put((event, host, scales_host, bad_host, list(samples), list(lengths), pinned))
 
     def put_states(self, sample: int, states: torch.Tensor) -> None:
         """Queue one sample's [len, layers, hidden] states."""
@@ -431,6 +488,7 @@ class ShardWriter:
                 self.offsets,
                 self.row_starts,
                 self.valid,
+                *([self.scales] if self.scales is not None else []),
             ):
                 data = np.ascontiguousarray(array).tobytes()
                 os.pwrite(self.fd, data, self.data_start + pos)
@@ -471,6 +529,7 @@ class Shard:
     offsets: np.ndarray
     row_starts: np.ndarray  # where each sample's states start (format 1: offsets[:-1])
     valid: np.ndarray
+    scales: np.ndarray | None = None  # fp8 storage: [tokens, layers] float32, in row order
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -481,11 +540,25 @@ class Shard:
     def sample(self, i: int) -> dict[str, Any]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = int(self.row_starts[i])
-        return {
+        item = {
             "hidden_states": self.hidden_states[row : row + b - a],
             "input_ids": torch.from_numpy(self.input_ids[a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(self.loss_mask[a:b].astype(bool)),
         }
+        if self.scales is not None:  # e4m3 values, and their scales
+            item["hidden_scales"] = torch.from_numpy(self.scales[row : row + b - a])
+        return item
+
+    @property
+    def storage(self) -> str:
+        return "fp8" if self.scales is not None else "bf16"
+
+    def states(self, i: int, dtype: torch.dtype = STATE_DTYPE) -> torch.Tensor:
+        """Sample i's states [len, layers, hidden] as values in ``dtype`` (fp8 dequantized)."""
+        item = self.sample(i)
+        if self.scales is None:
+            return item["hidden_states"].to(dtype)
+        return dequantize_fp8(item["hidden_states"], item["hidden_scales"], dtype)
 
 
 def read_header(path: Path) -> dict[str, Any]:
@@ -519,8 +592,9 @@ def open_shard(path: Path) -> Shard:
         a, b = header[name]["data_offsets"]
         return mm[start + a : start + b].view(dtype).reshape(header[name]["shape"])
 
-    hs = view("hidden_states", np.uint16)
-    hidden_states = torch.from_numpy(hs).view(torch.bfloat16)
+    fp8 = header["hidden_states"]["dtype"] == "F8_E4M3"
+    hs = view("hidden_states", np.uint8 if fp8 else np.uint16)
+    hidden_states = torch.from_numpy(hs).view(FP8 if fp8 else torch.bfloat16)
     offsets = view("offsets", np.int64)
     return Shard(
         path=path,
@@ -530,6 +604,7 @@ def open_shard(path: Path) -> Shard:
         offsets=offsets,
         row_starts=view("row_starts", np.int64) if "row_starts" in header else offsets[:-1],
         valid=view("valid", np.uint8),
+        scales=view("hidden_scales", np.float32) if fp8 else None,
     )
 
 
@@ -552,8 +627,8 @@ def check_shard(shard_path: Path, manifest: dict[str, Any], *, full_hash: bool =
 
 
 def check_manifest(manifest: dict[str, Any], expect: dict[str, Any], where: str) -> None:
-    """Fail if a shard was made for another verifier, layer set or hidden size."""
-    for key in ("verifier", "layer_ids", "hidden_size"):
+    """Fail if a shard was made for another verifier, layer set, hidden size or storage."""
+    for key in ("verifier", "layer_ids", "hidden_size", "state_dtype"):
         if key in expect and manifest.get(key) != expect[key]:
             raise UserError(
                 f"{where}: shard was extracted with {key}={manifest.get(key)!r}, the config "
@@ -639,7 +714,8 @@ def extract_samples(
     lengths = tuple(len(s) for s in samples)
     batches = length_batches(lengths, cfg.batch_tokens)
     order = tuple(i for batch in batches for i in batch)  # states are stored as computed
-    layout = ShardLayout(lengths, len(aux) + 1, text_config(model.config).hidden_size, order)
+    hidden = text_config(model.config).hidden_size
+    layout = ShardLayout(lengths, len(aux) + 1, hidden, order, cfg.storage)
     padded = sum(len(b) * lengths[b[0]] for b in batches) - layout.tokens
     decoder = text_decoder(model)  # the language model alone: no vision tower, no LM head
     capture = Capture(decoder_layers(model), aux)
@@ -719,7 +795,7 @@ def extract_samples_vllm(
 
     lengths = tuple(len(s) for s in samples)
     order = sorted(range(len(samples)), key=lambda i: -lengths[i])  # longest first
-    layout = ShardLayout(lengths, n_layers, layout_hidden, tuple(order))
+    layout = ShardLayout(lengths, n_layers, layout_hidden, tuple(order), cfg.storage)
     writer = ShardWriter(shard_path, layout, metadata)
 
     def fetch(i: int) -> torch.Tensor:
@@ -846,7 +922,7 @@ def extract_shard(
         "layer_ids": layer_ids,
         "hidden_size": record["hidden_size"],
         "compute_dtype": str(dtype).removeprefix("torch."),
-        "state_dtype": "bfloat16",
+        "state_dtype": STORAGE_DTYPES[cfg.storage],
         "backend": cfg.backend,
     }
     digest = input_hash(np.concatenate(ids), np.concatenate(masks), offsets, spec)

@@ -107,13 +107,30 @@ def split_indices(
     return pairs[:-n_val], pairs[-n_val:]
 
 
+# fp8 shards travel to the GPU as e4m3 bytes and float32 scales under these keys (names
+# without "hidden_states": speculators' collate would cast those to the training dtype), and
+# the draft's forward pre-hook turns them into speculators' hidden_states keys (``fp8_inputs``).
+FP8_KEYS = ("fp8_aux", "fp8_aux_scales", "fp8_last", "fp8_last_scales")
+COMMON_KEYS = ("input_ids", "loss_mask", "lengths", "position_ids")
+
+
 class ShardDataset(BaseDataset):
     """speculators' dataset contract (hidden_states [T, aux*H], verifier_last_hidden_states,
-    input_ids, loss_mask) served from shard files, one mmap per shard and no per-sample opens."""
+    input_ids, loss_mask) served from shard files, one mmap per shard and no per-sample opens.
+    From fp8 shards it serves the e4m3 bytes and scales instead (``FP8_KEYS``), dequantized on
+    the device by the draft's forward pre-hook (``fp8_inputs``)."""
 
-    def __init__(self, shard_paths: Sequence[Path], pairs, max_len: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        shard_paths: Sequence[Path],
+        pairs,
+        max_len: int,
+        dtype: torch.dtype,
+        storage: str = "bf16",
+    ):
         self.shard_paths = [Path(p) for p in shard_paths]
         self.pairs = list(pairs)
+        self.fp8 = storage == "fp8"
         self._shards: list[Shard] | None = None
         super().__init__(max_len=max_len, hidden_states_dtype=dtype)
 
@@ -139,6 +156,16 @@ class ShardDataset(BaseDataset):
     def _get_raw_data(self, index: int) -> dict[str, torch.Tensor]:
         s, i = self.pairs[index]
         item = self.shards[s].sample(i)
+        if self.fp8:
+            values, scales = item["hidden_states"].view(torch.uint8), item["hidden_scales"]
+            return {
+                "fp8_aux": values[:, :-1].flatten(1),
+                "fp8_aux_scales": scales[:, :-1],
+                "fp8_last": values[:, -1],
+                "fp8_last_scales": scales[:, -1],
+                "input_ids": item["input_ids"],
+                "loss_mask": item["loss_mask"],
+            }
         states = item["hidden_states"].to(self.hidden_states_dtype)
         return {
             "hidden_states": states[:, :-1].flatten(1),
@@ -146,6 +173,65 @@ class ShardDataset(BaseDataset):
             "verifier_last_hidden_states": states[:, -1],
             "loss_mask": item["loss_mask"],
         }
+
+
+def shift_fp8_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """speculators' ``shift_batch`` (states at t predict the token at t+1) for fp8 samples: the
+    same shift, applied by speculators' own function to the bytes and to the scales."""
+    from speculators.models.eagle3.data import shift_batch
+
+    if "fp8_aux" not in batch:  # the collate's placeholder when no sample is available
+        aux, last = batch["hidden_states"], batch["verifier_last_hidden_states"]
+        n_aux = aux.shape[1] // last.shape[1]
+        batch = {
+            **{k: batch[k] for k in COMMON_KEYS},
+            "fp8_aux": torch.zeros(aux.shape, dtype=torch.uint8),
+            "fp8_aux_scales": torch.zeros(aux.shape[0], n_aux),
+            "fp8_last": torch.zeros(last.shape, dtype=torch.uint8),
+            "fp8_last_scales": torch.zeros(last.shape[0]),
+        }
+    common = {k: batch[k] for k in COMMON_KEYS}
+    values = shift_batch(
+        {
+            **common,
+            "hidden_states": batch["fp8_aux"],
+            "verifier_last_hidden_states": batch["fp8_last"],
+        }
+    )
+    scales = shift_batch(
+        {
+            **common,
+            "hidden_states": batch["fp8_aux_scales"],
+            "verifier_last_hidden_states": batch["fp8_last_scales"],
+        }
+    )
+    return {
+        **{k: values[k] for k in COMMON_KEYS},
+        "fp8_aux": values["hidden_states"],
+        "fp8_aux_scales": scales["hidden_states"],
+        "fp8_last": values["verifier_last_hidden_states"],
+        "fp8_last_scales": scales["verifier_last_hidden_states"],
+    }
+
+
+def fp8_inputs(dtype: torch.dtype):
+    """A forward pre-hook for the draft: the fp8 keys of a batch (on the device by now) become
+    speculators' hidden_states [1, T, aux*H] and verifier_last_hidden_states [1, T, H] in
+    ``dtype``. Batches without them pass unchanged. Works under any trainer, DDP or FSDP."""
+    from eagle3lib.hidden_states import dequantize_fp8
+
+    def hook(_module, args, kwargs):
+        if "fp8_aux" not in kwargs:
+            return args, kwargs
+        aux, aux_scales, last, last_scales = (kwargs.pop(k) for k in FP8_KEYS)
+        n_aux = aux_scales.shape[-1]
+        kwargs["hidden_states"] = dequantize_fp8(
+            aux.unflatten(-1, (n_aux, -1)), aux_scales, dtype
+        ).flatten(-2)
+        kwargs["verifier_last_hidden_states"] = dequantize_fp8(last, last_scales, dtype)
+        return args, kwargs
+
+    return hook
 
 
 def make_loader(
@@ -174,7 +260,7 @@ def make_loader(
         hidden_size,
         num_target_layers=n_aux,
         dtype=dataset.hidden_states_dtype,
-        preprocess=shift_batch,
+        preprocess=shift_fp8_batch if getattr(dataset, "fp8", False) else shift_batch,
     )
     extra = {}
     if workers:
@@ -695,12 +781,15 @@ def train(
     manifests = [read_json(p) for p in manifest_paths]
     layer_ids = manifests[0]["layer_ids"]
     aux = layer_ids[:-1]
-    # Every shard must come from this verifier, with the same layers and hidden size.
+    # Every shard must come from this verifier, with the same layers, hidden size and storage.
+    state_dtype = manifests[0].get("state_dtype", "bfloat16")
     expect = {
         "verifier": identity(record),
         "layer_ids": layer_ids,
         "hidden_size": record["hidden_size"],
+        "state_dtype": state_dtype,
     }
+    storage = "fp8" if state_dtype == "float8_e4m3fn" else "bf16"
     k = int(vocab_map["d2t"].numel())
     if k != cfg.draft_vocab_size:
         raise UserError(
@@ -726,9 +815,11 @@ def train(
     set_seed(cfg.seed)
     dtype = runtime["dtype"]
     model = build_draft(cfg, record, aux, vocab_map, runtime["attention"])
+    if storage == "fp8":  # dequantized on the device, inside the input pipeline
+        model.register_forward_pre_hook(fp8_inputs(dtype), with_kwargs=True)
     hidden = record["hidden_size"]
     train_loader = make_loader(
-        ShardDataset(shard_paths, train_pairs, cfg.total_seq_len, dtype),
+        ShardDataset(shard_paths, train_pairs, cfg.total_seq_len, dtype, storage),
         cfg.total_seq_len,
         hidden,
         len(aux),
@@ -738,7 +829,7 @@ def train(
     # Validation is packed with seed 0, as speculators' CLI does: the same batches for every
     # seed, so validation losses compare across runs and with the CLI's.
     val_loader = make_loader(
-        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype),
+        ShardDataset(shard_paths, val_pairs, cfg.total_seq_len, dtype, storage),
         cfg.total_seq_len,
         hidden,
         len(aux),

@@ -279,3 +279,78 @@ def test_aborted_writer_leaves_no_file(tmp_path):
     writer.put_states(0, torch.ones(3, 2, 4))
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_quantization_keeps_every_row_within_e4m3_precision():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=gen) * torch.logspace(-3, 3, 5)[:, None, None]
+    x[1, 2] = 0.0  # a zero row
+    x = x.to(torch.bfloat16)
+    values, scales = hidden_states.quantize_fp8(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    assert scales.shape == (5, 3) and scales[1, 2] == 1.0
+    # every row uses e4m3's whole range: its largest value maps to 448 exactly
+    assert torch.equal(values.float().abs().amax(-1)[scales != 1], torch.full((14,), 448.0))
+    back = hidden_states.dequantize_fp8(values, scales, torch.float32)
+    assert torch.equal(back[1, 2], torch.zeros(64))
+    big = x.float().abs() >= x.float().abs().amax(-1, keepdim=True) / 64  # e4m3 normal range
+    rel = ((back - x.float()).abs() / x.float().abs().clamp_min(1e-30))[big]
+    assert rel.max() <= 2**-4 + 1e-6  # 3 mantissa bits: half a step is 1/16
+    assert torch.equal(
+        hidden_states.dequantize_fp8(values.view(torch.uint8), scales, torch.float32), back
+    )
+
+
+def test_fp8_bytes_per_token_at_llama_8b_shape():
+    """Half of bf16 within 0.51 at the 8B shape (4 slots of 4096): 16,405 vs 32,773 bytes."""
+    bf16 = hidden_states.ShardLayout((2048,), 4, 4096)
+    fp8 = hidden_states.ShardLayout((2048,), 4, 4096, storage="fp8")
+    assert fp8.bytes_per_token == 16405 and bf16.bytes_per_token == 32773
+    assert fp8.data_bytes() / bf16.data_bytes() <= 0.51
+
+
+@pytest.fixture(scope="module")
+def extracted_fp8(extracted, verifier_record, tmp_path_factory):
+    tmp, samples, ids, cfg, _ = extracted
+    out = tmp_path_factory.mktemp("fp8")
+    fp8 = ExtractConfig(shards=cfg.shards, batch_tokens=cfg.batch_tokens, storage="fp8")
+    hidden_states.extract_shard(
+        samples, ids, 1, fp8, verifier_record, out / "shard-1.safetensors", out / "shard-1.json"
+    )
+    return out, fp8
+
+
+def test_fp8_shard_holds_the_bf16_shard_quantized(extracted, extracted_fp8):
+    """Byte for byte, the fp8 shard is quantize_fp8 of the bf16 shard's states; its manifest
+    carries its own sha256, size and storage; bytes per token as the layout says."""
+    tmp, *_ = extracted
+    out, _ = extracted_fp8
+    bf16 = hidden_states.open_shard(tmp / "shard-1.safetensors")
+    fp8 = hidden_states.open_shard(out / "shard-1.safetensors")
+    assert fp8.storage == "fp8" and bf16.storage == "bf16"
+    for i in range(len(bf16)):
+        values, scales = hidden_states.quantize_fp8(bf16.sample(i)["hidden_states"])
+        item = fp8.sample(i)
+        assert torch.equal(item["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(item["hidden_scales"], scales)
+        assert torch.equal(item["input_ids"], bf16.sample(i)["input_ids"])
+        torch.testing.assert_close(fp8.states(i), bf16.states(i), rtol=2**-4, atol=1e-2)
+    manifest = read_json(out / "shard-1.json")
+    assert manifest["state_dtype"] == "float8_e4m3fn"
+    assert manifest["file"]["sha256"] == sha256_file(out / "shard-1.safetensors")
+    layout = hidden_states.ShardLayout(tuple(manifest["token_counts"]), 4, 64, storage="fp8")
+    header = layout.header(
+        {"format": hidden_states.SHARD_FORMAT, "input_hash": manifest["input_hash"]}
+    )
+    assert manifest["file"]["bytes"] == len(header) + layout.data_bytes()
+    assert manifest["file"]["bytes"] == (out / "shard-1.safetensors").stat().st_size
+    with pytest.raises(UserError, match="state_dtype='float8_e4m3fn'.*'bfloat16'"):
+        hidden_states.check_manifest(manifest, {"state_dtype": "bfloat16"}, "shard-1.json")
+
+
+def test_fp8_extraction_is_byte_reproducible(extracted, extracted_fp8, verifier_record, tmp_path):
+    _, samples, ids, *_ = extracted
+    out, cfg = extracted_fp8
+    again = tmp_path / "again.safetensors"
+    hidden_states.extract_shard(samples, ids, 1, cfg, verifier_record, again, tmp_path / "a.json")
+    assert again.read_bytes() == (out / "shard-1.safetensors").read_bytes()

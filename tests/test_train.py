@@ -305,3 +305,67 @@ def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_
     with pytest.raises(UserError, match=r"shard-0.*\(and 1 more damaged shard\(s\)\)"):
         train.open_verified_shards(shards, manifests, {})
     assert not manifests[0].exists() and not manifests[1].exists()
+
+
+@pytest.fixture(scope="module")
+def fp8_shards(pipeline, tmp_path_factory):
+    from eagle3lib import hidden_states
+    from eagle3lib.config import ExtractConfig
+
+    out = tmp_path_factory.mktemp("fp8_shards")
+    cfg = ExtractConfig(shards=2, batch_tokens=512, storage="fp8")
+    paths = []
+    for i in range(2):
+        paths.append((out / f"shard-{i}.safetensors", out / f"shard-{i}.json"))
+        hidden_states.extract_shard(
+            pipeline["samples"], pipeline["ids"], i, cfg, pipeline["record"], *paths[-1]
+        )
+    return [p for p, _ in paths], [m for _, m in paths]
+
+
+def test_fp8_batches_reach_the_draft_as_the_bf16_batches_quantized(pipeline, fp8_shards):
+    """Same packing, same tokens; on the way into the draft's forward the fp8 bytes and scales
+    become exactly the dequantized bf16 states (speculators' shift applied to both)."""
+    from eagle3lib.hidden_states import dequantize_fp8, quantize_fp8
+
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    pairs, _ = train.split_indices(shards, 0.1)
+    hook = train.fp8_inputs(torch.float32)
+    loaders = [
+        train.make_loader(
+            train.ShardDataset(paths, pairs, 256, torch.float32, storage), 256, 64, 3, 0
+        )
+        for paths, storage in ((pipeline["shards"], "bf16"), (fp8_shards[0], "fp8"))
+    ]
+    n = 0
+    for plain, fp8 in zip(*loaders, strict=True):
+        assert "hidden_states" not in fp8 and fp8["fp8_aux"].dtype == torch.uint8
+        _, kwargs = hook(None, (), dict(fp8))
+        assert set(kwargs) == set(plain)
+        for key in ("input_ids", "loss_mask", "position_ids", "document_ids"):
+            assert torch.equal(kwargs[key], plain[key])
+        for key, slots in (("hidden_states", 3), ("verifier_last_hidden_states", 1)):
+            ref = plain[key].unflatten(-1, (slots, 64)).to(torch.bfloat16)
+            expect = dequantize_fp8(*quantize_fp8(ref), torch.float32).flatten(-2)
+            assert torch.equal(kwargs[key], expect)
+            assert (kwargs[key] - plain[key]).abs().max() > 0  # really quantized
+        n += 1
+    assert n >= 2
+
+
+def test_training_on_fp8_shards_follows_bf16_training(pipeline, fp8_shards, tmp_path):
+    """The same run on fp8 shards: a checkpoint, finite losses close to the bf16 run's."""
+    cfg = pipeline["train_cfg"]
+    stats = train.train(
+        cfg, pipeline["record"], *fp8_shards, pipeline["vocab_map"], tmp_path / "state",
+        tmp_path / "metrics.jsonl",
+    )  # fmt: skip
+    assert Path(stats["final_epoch_dir"]).exists()
+    fp8 = train.loss_curves(train.read_metrics(tmp_path / "metrics.jsonl"))["train_loss"]
+    bf16 = train.loss_curves(train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl"))[
+        "train_loss"
+    ]
+    assert len(fp8) == len(bf16) >= 4
+    assert fp8 != bf16  # the fp8 states were used
+    for a, b in zip(fp8, bf16, strict=True):
+        assert math.isfinite(a) and abs(a - b) <= 0.02 * abs(b)

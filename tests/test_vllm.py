@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tiny
+import torch
 from conftest import run_snakemake
 
 pytestmark = pytest.mark.slow
@@ -116,7 +117,8 @@ def test_regenerated_with_a_vllm_server(served):
 
 def test_vllm_shards_equal_hf_shards(served, tmp_path):
     """The vLLM backend's states equal the HF backend's for the same samples (bf16): this also
-    proves the HF path's contract that the last slot is the final layer before the norm."""
+    proves the HF path's contract that the last slot is the final layer before the norm. With
+    fp8 storage both write the same format."""
     from eagle3lib import hidden_states as hs
     from eagle3lib.config import ExtractConfig
     from eagle3lib.data import load_samples
@@ -142,8 +144,33 @@ def test_vllm_shards_equal_hf_shards(served, tmp_path):
     assert (vllm_shard.input_ids == hf_shard.input_ids).all() and (
         vllm_shard.offsets == hf_shard.offsets
     ).all()
-    a, b = vllm_shard.hidden_states.float(), hf_shard.hidden_states.float()
+    a = torch.cat([vllm_shard.states(i, torch.float32) for i in range(len(vllm_shard))])
+    b = torch.cat([hf_shard.states(i, torch.float32) for i in range(len(hf_shard))])
     for slot in range(4):
         rel = ((a[:, slot] - b[:, slot]).norm() / b[:, slot].norm()).item()
         assert rel < 2e-3, (slot, rel)  # bf16 rounding of the same fp32 values
         assert (a[:, slot] - b[:, slot]).abs().max() <= 2 * b[:, slot].abs().max() * 2**-8
+
+    # fp8 storage: the vLLM backend writes the same format as the HF backend, and the values
+    # differ by no more than the quantization of states that differ by bf16 rounding.
+    fp8 = ExtractConfig(shards=1, backend="vllm", concurrency=4, storage="fp8")
+    engine = {"max_model_len": 1024, "startup_timeout": 600}
+    hs.extract_shard(
+        samples, ids, 0, fp8, record, tmp_path / "v8.safetensors", tmp_path / "v8.json",
+        engine=engine, vllm_python=str(VLLM_PYTHON),
+    )  # fmt: skip
+    hs.extract_shard(
+        samples, ids, 0, ExtractConfig(shards=1, storage="fp8"), record,
+        tmp_path / "h8.safetensors", tmp_path / "h8.json",
+    )  # fmt: skip
+    v8, h8 = hs.open_shard(tmp_path / "v8.safetensors"), hs.open_shard(tmp_path / "h8.safetensors")
+    assert v8.storage == h8.storage == "fp8"
+    assert read_json(tmp_path / "v8.json")["state_dtype"] == "float8_e4m3fn"
+    assert (v8.offsets == h8.offsets).all() and (v8.row_starts == h8.row_starts).all()
+    for i in range(len(h8)):
+        x, y = v8.states(i, torch.float32), h8.states(i, torch.float32)
+        sx, sy = v8.sample(i)["hidden_scales"], h8.sample(i)["hidden_scales"]
+        torch.testing.assert_close(sx, sy, rtol=2**-7, atol=0)
+        # at most one e4m3 step apart (32 x scale near 448), plus the scales' difference
+        bound = 32 * sx + 448 * (sx - sy).abs()
+        assert ((x - y).abs() <= bound.unsqueeze(-1) + 1e-6).all()
