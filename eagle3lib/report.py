@@ -190,6 +190,7 @@ def summarize(
             "tokens": sum(m["tokens"] for m in manifests),
             "bytes": sum(m["file"]["bytes"] for m in manifests),
             "layer_ids": manifests[0]["layer_ids"],
+            "state_dtype": manifests[0].get("state_dtype", "bfloat16"),
             "rejected_samples": sum(len(m["rejected"]) for m in manifests),
         },
         "vocab": vocab,

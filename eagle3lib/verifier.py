@@ -198,6 +198,27 @@ def materialize(
     }
 
 
+def planning_shape(spec: str, record_path: Path) -> tuple[int, int] | None:
+    """(hidden size, layers) of the language model, from what planning can read without
+    loading anything: the verifier job's record, else a local folder's config.json (nested
+    ``text_config`` too); None for a hub id or a packaged GGUF not converted yet."""
+    if record_path.is_file():
+        try:
+            record = json.loads(record_path.read_text())
+            return int(record["hidden_size"]), int(record["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    config = Path(spec) / "config.json"
+    if spec.startswith(PACKAGE_PREFIX) or not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+        text = data.get("text_config") or data
+        return int(text["hidden_size"]), int(text["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # the verifier job reports a bad config in one line
+
+
 def identity(record: dict[str, Any]) -> dict[str, Any]:
     """The fields that decide what the verifier computes (hashed into shard manifests)."""
     return {

@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
-from eagle3lib.verifier import is_local  # noqa: E402
+from eagle3lib.shards import disk_estimate  # noqa: E402
+from eagle3lib.verifier import is_local, planning_shape  # noqa: E402
 
 
 def fail(message):
@@ -88,10 +89,31 @@ def forget_damaged_shards():
             manifest.unlink()
 
 
+def print_disk_estimate():
+    """Before anything is extracted: the shards' size per token (and in all, once prepare has
+    counted the tokens), so the terabytes are known up front (also under `snakemake -n`).
+    """
+    if all(Path(SHARD_MANIFEST.format(shard=i)).exists() for i in range(N_SHARDS)):
+        return
+    shape = planning_shape(config["verifier"]["path"], Path(VERIFIER))
+    if shape is None:
+        return
+    hidden, _layers = shape
+    aux = config["extract"]["aux_layers"]
+    slots = (len(aux) if aux else 3) + 1
+    info = Path(SAMPLES_INFO)
+    tokens = json.loads(info.read_text()).get("tokens") if info.is_file() else None
+    print(
+        disk_estimate(hidden, slots, config["extract"]["storage"], tokens),
+        file=sys.stderr,
+    )
+
+
 # Only the run that plans the DAG: a job's own snakemake (a cluster job) must not race with
 # the extract job that is writing a shard and its manifest.
 if workflow.is_main_process:
     forget_damaged_shards()
+    print_disk_estimate()
 
 
 # Rules without a GPU resource hide the GPUs from their command: a job that initialised CUDA on

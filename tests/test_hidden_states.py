@@ -354,3 +354,15 @@ def test_fp8_extraction_is_byte_reproducible(extracted, extracted_fp8, verifier_
     again = tmp_path / "again.safetensors"
     hidden_states.extract_shard(samples, ids, 1, cfg, verifier_record, again, tmp_path / "a.json")
     assert again.read_bytes() == (out / "shard-1.safetensors").read_bytes()
+
+
+def test_disk_estimate_line():
+    from eagle3lib.shards import disk_estimate
+
+    assert disk_estimate(4096, 4, "bf16", 1_276_971) == (
+        "hidden states: 32,773 bytes a token (4 slots of 4096 in bf16; extract.storage: fp8 "
+        "would take 16,405); the 1,276,971 prepared tokens need 41.9 GB"
+    )
+    assert disk_estimate(4096, 4, "fp8").endswith(
+        "; 164 GB per 10 M tokens (prepare counts the tokens)"
+    )

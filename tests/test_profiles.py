@@ -118,6 +118,8 @@ def test_workstation_profile_dry_run_shows_gpu_resources_and_caps_them(workspace
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"Using profile {WORKSTATION}" in out
+    # the shards' size is known before anything runs (tiny verifier: 4 slots of 64)
+    assert "hidden states: 517 bytes a token (4 slots of 64 in bf16; extract.storage: fp8" in out
     jobs = job_resources(out)
     assert len(jobs["extract"]) == 2
     for rule, count in GPUS.items():
