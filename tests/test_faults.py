@@ -133,15 +133,14 @@ def run_each(cmds: list[list[str]], logs: list[Path]) -> list[int]:
 # ---- extraction: the shard job, and snakemake with it, killed -----------------------------
 
 
-@pytest.fixture(scope="module")
-def extraction(tmp_path_factory, verifier_dir):
+def make_extraction(root: Path, verifier_dir: Path, storage: str = "bf16"):
     """A workspace with the verifier and samples built, the shards of an uninterrupted run,
     and the shell command of shard 1's job exactly as snakemake runs it."""
-    root = tmp_path_factory.mktemp("faults-extract")
     train = tiny.write_jsonl(root / "train.jsonl", tiny.conversations(60, seed=11))
     evals = tiny.write_jsonl(root / "eval.jsonl", [{"question_id": 0, "turns": ["Hello"]}])
     config = root / "config.yaml"
-    tiny.write_config(config, "t", verifier_dir, train, evals, extract={"shards": 3})
+    extract = {"shards": 3, "storage": storage}
+    tiny.write_config(config, "t", verifier_dir, train, evals, extract=extract)
     results = root / "results" / "t" / "hidden_states"
     targets = [
         f"results/t/hidden_states/shard-{i}.{ext}"
@@ -163,6 +162,16 @@ def extraction(tmp_path_factory, verifier_dir):
     return root, config, results, targets, reference, job
 
 
+@pytest.fixture(scope="module")
+def extraction(tmp_path_factory, verifier_dir):
+    return make_extraction(tmp_path_factory.mktemp("faults-extract"), verifier_dir)
+
+
+@pytest.fixture(scope="module")
+def extraction_fp8(tmp_path_factory, verifier_dir):
+    return make_extraction(tmp_path_factory.mktemp("faults-extract-fp8"), verifier_dir, "fp8")
+
+
 def shard_files(results: Path) -> dict[str, bytes]:
     return {
         p.name: p.read_bytes() for p in sorted(results.iterdir()) if p.name.startswith("shard-")
@@ -182,11 +191,16 @@ def assert_shards_as_uninterrupted(results: Path, reference: dict[str, bytes]) -
     assert not list(results.glob(".*.tmp-*"))  # the killed job's half-written shard is gone
 
 
-@pytest.mark.parametrize("seed", range(TRIALS))
-def test_killed_shard_job_reruns_to_the_same_bytes(extraction, seed):
+@pytest.mark.parametrize(
+    ("storage", "seed"), [("bf16", seed) for seed in range(TRIALS)] + [("fp8", 0), ("fp8", 1)]
+)
+def test_killed_shard_job_reruns_to_the_same_bytes(request, storage, seed):
     """kill -9 of the extract job (its shell command, as snakemake runs it): even seeds while
-    the shard is being written, odd seeds at a random moment of the job."""
-    root, _config, results, _targets, reference, job = extraction
+    the shard is being written, odd seeds at a random moment of the job; bf16 and fp8 shards."""
+    fixture = "extraction" if storage == "bf16" else "extraction_fp8"
+    root, _config, results, _targets, reference, job = request.getfixturevalue(fixture)
+    if storage == "fp8":
+        assert b"F8_E4M3" in reference["shard-1.safetensors"][:4096]
     for name in ("shard-1.safetensors", "shard-1.json"):
         (results / name).unlink(missing_ok=True)
     rng = random.Random(seed)
