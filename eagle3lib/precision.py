@@ -34,10 +34,11 @@ def native_bf16(
 
     ``aten_capability`` is ``torch.backends.cpu.get_cpu_capability()`` (the kernels ATen
     dispatches to, lowered by ``ATEN_CPU_CAPABILITY``); ``onednn_bf16`` is
-    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` (oneDNN may use AVX-512, lowered by
-    ``ONEDNN_MAX_CPU_ISA``; on ARM: the CPU has the BF16 extension); ``bf16_instructions`` is
-    AVX512-BF16 or AMX in the CPU's flags; ``onednn_max_isa`` is ``ONEDNN_MAX_CPU_ISA``.
-    On x86 all of them must allow bf16, so a CPU emulating AVX2 counts as one without."""
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` (oneDNN supports bf16 at the ISA it
+    uses, lowered by ``ONEDNN_MAX_CPU_ISA``; the only check off x86); ``bf16_instructions``
+    is AVX512-BF16 or AMX in the CPU's flags; ``onednn_max_isa`` is ``ONEDNN_MAX_CPU_ISA``
+    (oneDNN also supports bf16, slowly, on AVX-512 without bf16 instructions). On x86 all of
+    them must allow bf16, so a CPU emulating AVX2 counts as one without."""
     if not onednn_bf16:
         return False
     if not x86:

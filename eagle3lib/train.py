@@ -353,12 +353,19 @@ class TrainingProgress:
     """Prints ``progress_line`` to stderr after the first step, then every ``every`` seconds
     and after the last step (host clock only: no wait for the GPU)."""
 
-    def __init__(self, total: int, epochs: int, every: float = 10.0, stream=None):
-        self.total, self.epochs, self.every = total, epochs, every
+    def __init__(self, epochs: int, max_steps: int | None = None, every: float = 10.0, stream=None):
+        self.epochs, self.max_steps, self.every = epochs, max_steps, every
         self.stream = stream
+        self.total = max_steps or 0
         self.start = self.last = time.perf_counter()
         self.tokens = 0
         self.steps_run = 0
+
+    def epoch_started(self, epoch: int, steps_before: int, steps_in_epoch: int) -> None:
+        """The run's total, as if every epoch left had this one's steps (the sampler's packing,
+        so the count, changes from epoch to epoch); at most ``max_steps``."""
+        total = steps_before + (self.epochs - epoch) * steps_in_epoch
+        self.total = min(total, self.max_steps) if self.max_steps is not None else total
 
     def step(self, step: int, epoch: int, tokens: int) -> None:
         """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens)."""
@@ -395,10 +402,7 @@ class StreamingTrainer(Trainer):
 
     def run_training(self):
         if self.rank == 0:
-            total = self.config.num_epochs * len(self.train_loader)  # as speculators' scheduler
-            if self.config.max_steps is not None:
-                total = min(total, self.config.max_steps)
-            self.progress = TrainingProgress(total, self.config.num_epochs)
+            self.progress = TrainingProgress(self.config.num_epochs, self.config.max_steps)
         with sync_free_eagle3() if self.sync_free else contextlib.nullcontext():
             return super().run_training()
 
@@ -510,6 +514,8 @@ class StreamingTrainer(Trainer):
             self.train_loader.batch_sampler.set_epoch(epoch)
         num_steps = len(self.train_loader)
         skip_steps = self._prepare_resume_skip(epoch)
+        if self.progress is not None:
+            self.progress.epoch_started(epoch, self.global_step - skip_steps, num_steps)
         loader = self.train_loader
         step_interval = (
             max(1, round(num_steps * self.config.checkpoint_freq))

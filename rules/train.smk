@@ -38,4 +38,4 @@ rule train:
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
         " --provenance {output.provenance} 2>&1 | tee {log}"
-        " | awk 'match($0, /train: step .*/) {{print substr($0, RSTART); fflush()}}'"
+        " | {{ grep --line-buffered -o 'train: step .*' || test $? = 1; }}"

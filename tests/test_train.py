@@ -277,7 +277,8 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
     clock = iter([0.0, 1.0, 2.0, 12.5, 13.0, 14.0])
     monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
     out = io.StringIO()
-    progress = train.TrainingProgress(total=5, epochs=1, every=10.0, stream=out)
+    progress = train.TrainingProgress(epochs=1, every=10.0, stream=out)
+    progress.epoch_started(0, 0, 5)
     for step in range(1, 6):
         progress.step(step, 0, 100)
     lines = out.getvalue().splitlines()
@@ -289,9 +290,22 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
     assert lines[-1].endswith("36 tokens/s, 14 s elapsed, about 0 s left")  # 500 in 14 s
 
 
+def test_progress_total_follows_each_epochs_step_count_and_max_steps():
+    progress = train.TrainingProgress(epochs=3)
+    progress.epoch_started(0, 0, 71)
+    assert progress.total == 213
+    progress.epoch_started(2, 141, 70)  # the packing gave the last epoch one step less
+    assert progress.total == 211
+    capped = train.TrainingProgress(epochs=3, max_steps=100)
+    capped.epoch_started(0, 0, 71)
+    assert capped.total == 100
+
+
 def test_streaming_trainer_prints_progress_to_stderr(pipeline, tmp_path, capfd):
-    train_pipeline(pipeline, tmp_path / "s", epochs=1, max_steps=3)
+    state = tmp_path / "s"
+    train_pipeline(pipeline, state, epochs=2)
+    steps = len(train.loss_curves(train.read_metrics(state / "m.jsonl"))["step"])
     lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("train: step")]
-    assert lines[0].startswith("train: step 1/3 (epoch 1/1), ")
-    assert lines[-1].startswith("train: step 3/3 (epoch 1/1), ")
+    assert lines[0].startswith("train: step 1/")
+    assert lines[-1].startswith(f"train: step {steps}/{steps} (epoch 2/2), ")
     assert "tokens/s" in lines[-1] and lines[-1].endswith("about 0 s left")
