@@ -50,11 +50,12 @@ endif
 demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs --rerun-incomplete $(SNAKEMAKE_ARGS)
 
+# --durations: the slowest tests and their times, after the results
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/snakemake --lint

@@ -555,7 +555,7 @@ def evaluate_child(spec_path: str) -> None:
     record = read_json(Path(spec["verifier"]))
     aux = read_json(Path(spec["manifest"]))["layer_ids"][:-1]
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, "evaluate.dtype")
     tokenizer = verifier.load_tokenizer(record)
     prompts = data.read_eval_prompts(Path(spec["prompts"]), spec["max_prompts"] or None)
     for prompt in prompts:

@@ -608,9 +608,18 @@ class Phases:
         print(f"extract: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
+    """Compute dtype for config value ``name`` of config key ``key``: auto is bf16 on GPU and
+    fp32 on CPU; bf16 is refused on a CPU without native bf16 (precision.bf16_is_slow)."""
+    from eagle3lib.precision import bf16_is_slow
+
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and bf16_is_slow(device):
+        raise UserError(
+            f"config key {key}: bfloat16 on this CPU, which has no native bf16 (it would run "
+            "several times slower than float32); use auto or float32"
+        )
     return getattr(torch, name)
 
 
@@ -829,7 +838,7 @@ def extract_shard(
             f"shard {shard} empty; use at most {len(samples)} shards"
         )
     cuda = torch.cuda.is_available()
-    dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu"))
+    dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu"), "extract.dtype")
     num_layers = record["num_hidden_layers"]
     aux = resolve_aux_layers(cfg.aux_layers, num_layers)
     layer_ids = [*aux, num_layers]

@@ -291,12 +291,18 @@ def cpu_trainer_patches() -> Iterator[None]:
 
     - Trainer moves the model to ``get_local_rank()`` (device 0) -> "cpu";
     - its step timer calls ``torch.accelerator.synchronize()`` -> skipped;
-    - the checkpointer loads resume state onto "cuda:0" -> "cpu".
+    - the checkpointer loads resume state onto "cuda:0" -> "cpu";
+    - its optimisers come from ``precision.cpu_optimizers``: on a CPU without native bf16,
+      torch's Muon orthogonalises in fp32 (``precision.Fp32Muon``).
+
+    Autocast gets fp32 on CPU (``resolve_runtime``), which torch turns off: fp32 throughout.
     """
     if torch.accelerator.current_accelerator() is not None:
         yield
         return
     from speculators.train import checkpointer, trainer
+
+    from eagle3lib.precision import cpu_optimizers
 
     class CpuStepTimer(trainer._StepTimer):  # noqa: SLF001
         def mark(self, name: str) -> None:
@@ -306,16 +312,23 @@ def cpu_trainer_patches() -> Iterator[None]:
         def now(self) -> float | None:
             return time.perf_counter() if self.enabled else None
 
-    saved = (trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device)  # noqa: SLF001
+    build = trainer.build_optimizers
+    saved = (trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device, build)  # noqa: SLF001
     trainer.get_local_rank = lambda: "cpu"
     trainer._StepTimer = CpuStepTimer  # noqa: SLF001
     checkpointer.get_current_device = lambda: "cpu"
+    trainer.build_optimizers = lambda model, config: cpu_optimizers(build(model, config))
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             yield
     finally:
-        trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device = saved  # noqa: SLF001
+        (
+            trainer.get_local_rank,
+            trainer._StepTimer,  # noqa: SLF001
+            checkpointer.get_current_device,
+            trainer.build_optimizers,
+        ) = saved
 
 
 def accuracy_counts(pred_ids, target_ids, loss_mask=None, prev_correct=None):
@@ -417,6 +430,63 @@ class MetricsRecorder(logging.Handler):
         super().close()
 
 
+def duration(seconds: float) -> str:
+    """``1 h 02 min``, ``3 min 20 s`` or ``42 s``."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    if s >= 60:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s} s"
+
+
+def progress_line(
+    step: int, total: int, epoch: int, epochs: int, tokens: int, seconds: float, steps_run: int
+) -> str:
+    """One line of training progress: ``step`` of ``total`` done, ``steps_run`` of them (and
+    ``tokens`` real tokens) in ``seconds`` by this process; the rest at the same pace."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    left = (total - step) * seconds / steps_run if steps_run else 0.0
+    return (
+        f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), {rate:,.0f} tokens/s, "
+        f"{duration(seconds)} elapsed, about {duration(left)} left"
+    )
+
+
+class TrainingProgress:
+    """Prints ``progress_line`` to stderr after the first step, then every ``every`` seconds
+    and after the last step (host clock only: no wait for the GPU)."""
+
+    def __init__(self, epochs: int, max_steps: int | None = None, every: float = 10.0, stream=None):
+        self.epochs, self.max_steps, self.every = epochs, max_steps, every
+        self.stream = stream
+        self.total = max_steps or 0
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+        self.steps_run = 0
+
+    def epoch_started(self, epoch: int, steps_before: int, steps_in_epoch: int) -> None:
+        """The run's total, as if every epoch left had this one's steps (the sampler's packing,
+        so the count, changes from epoch to epoch); at most ``max_steps``."""
+        total = steps_before + (self.epochs - epoch) * steps_in_epoch
+        self.total = min(total, self.max_steps) if self.max_steps is not None else total
+
+    def step(self, step: int, epoch: int, tokens: int) -> None:
+        """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens)."""
+        import sys
+
+        self.tokens += tokens
+        self.steps_run += 1
+        now = time.perf_counter()
+        if self.steps_run > 1 and step < self.total and now - self.last < self.every:
+            return
+        self.last = now
+        line = progress_line(
+            step, self.total, epoch, self.epochs, self.tokens, now - self.start, self.steps_run
+        )
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+
 class StreamingTrainer(Trainer):
     """speculators' Trainer with a step loop that never makes the host wait for the GPU.
 
@@ -432,7 +502,11 @@ class StreamingTrainer(Trainer):
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
     sync_free = True  # speculators' loss metrics without host syncs (sync_free_eagle3)
 
+    progress: TrainingProgress | None = None
+
     def run_training(self):
+        if self.rank == 0:
+            self.progress = TrainingProgress(self.config.num_epochs, self.config.max_steps)
         with sync_free_eagle3() if self.sync_free else contextlib.nullcontext():
             return super().run_training()
 
@@ -544,9 +618,9 @@ class StreamingTrainer(Trainer):
             self.train_loader.batch_sampler.set_epoch(epoch)
         num_steps = len(self.train_loader)
         skip_steps = self._prepare_resume_skip(epoch)
+        if self.progress is not None:
+            self.progress.epoch_started(epoch, self.global_step - skip_steps, num_steps)
         loader = self.train_loader
-        if self.rank == 0:
-            loader = st.tqdm(loader, desc=f"Epoch {epoch}")
         step_interval = (
             max(1, round(num_steps * self.config.checkpoint_freq))
             if self.config.checkpoint_freq < 1
@@ -557,7 +631,8 @@ class StreamingTrainer(Trainer):
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
             gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
-            interval_tokens += int((batch["document_ids"] != -1).sum())
+            tokens = int((batch["document_ids"] != -1).sum())
+            interval_tokens += tokens
             with torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype):
                 _draft_tokens, loss, metrics = self.model(
                     **gpu_batch, **(self.config.train_call_kwargs or {})
@@ -600,6 +675,8 @@ class StreamingTrainer(Trainer):
                 interval_tokens, interval_start = 0, now
                 interval_wait = self.data_wait_seconds
             self.global_step += 1
+            if self.progress is not None:
+                self.progress.step(self.global_step, epoch, tokens)
             if step_callback is not None:
                 step_callback()
             if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
@@ -645,7 +722,7 @@ def resolve_runtime(cfg) -> dict[str, Any]:
         loss = "fused" if cuda and has_triton and new_torch else "eager"
     elif loss == "fused" and not (cuda and has_triton):
         raise UserError("config key train.loss: the fused loss needs a GPU and Triton; use eager")
-    # bf16 autocast on GPU; plain fp32 on CPU (CPUs without bf16 units are ~2x slower in bf16).
+    # bf16 autocast on GPU; fp32 on CPU, where torch then turns autocast off.
     dtype = torch.bfloat16 if cuda else torch.float32
     return {"attention": attention, "loss": loss, "dtype": dtype}
 
@@ -895,6 +972,7 @@ def train(
         "loss_implementation": runtime["loss"],
         "dtype": str(dtype).removeprefix("torch."),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "optimizers": [type(o).__name__ for o in trainer.optimizers],
         "processes": world_size(),
         "fsdp": bool(cfg.fsdp and world_size() > 1),
         "rank": rank,

@@ -1,5 +1,8 @@
 rule train:
-    """Train the draft with speculators from the shards; export a portable checkpoint."""
+    """Train the draft with speculators from the shards; export a portable checkpoint.
+
+    The log gets all output; the terminal the progress lines (steps, tokens/s, time left).
+    """
     input:
         verifier=VERIFIER,
         shards=shards(),
@@ -34,4 +37,5 @@ rule train:
         " --threads {threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} 2>&1 | tee {log}"
+        " | {{ grep --line-buffered -o 'train: step .*' || test $? = 1; }}"

@@ -38,7 +38,7 @@ def main() -> None:
     record = read_record(a.verifier)
     aux = read_json(a.manifest)["layer_ids"][:-1]
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, "evaluate.dtype")
     tokenizer = verifier.load_tokenizer(record)
     eval_sets = json.loads(a.eval_sets)
     for eval_set in eval_sets:

@@ -40,10 +40,14 @@ def main() -> None:
     record = read_json(a.verifier)
     evaluate = json.loads(a.evaluate)
     engine = json.loads(a.vllm)
-    if not engine.get("dtype"):  # the offline evaluator's numerics, so the two compare
-        import torch
+    import torch
 
+    if not engine.get("dtype"):  # the offline evaluator's numerics, so the two compare
         engine["dtype"] = "bfloat16" if torch.cuda.is_available() else "float32"
+    elif not torch.cuda.is_available():  # vLLM on this CPU: no bf16 where it is slow
+        from eagle3lib.hidden_states import resolve_dtype
+
+        resolve_dtype(engine["dtype"], torch.device("cpu"), "vllm.dtype")
     tokenizer = AutoTokenizer.from_pretrained(
         record["load_path"], trust_remote_code=record["trust_remote_code"]
     )

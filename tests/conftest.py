@@ -116,6 +116,25 @@ def executed_jobs(output: str) -> list[str]:
     return jobs
 
 
+def train_pipeline(pipeline: dict, state: Path, trainer_class=None, **changes) -> dict:
+    """eagle3lib.train.train on the pipeline's shards and vocab map, its train config with
+    ``changes``, state (and metrics, m.jsonl) in ``state``; returns the run statistics."""
+    from dataclasses import replace
+
+    from eagle3lib import train
+
+    return train.train(
+        replace(pipeline["train_cfg"], **changes),
+        pipeline["record"],
+        pipeline["shards"],
+        pipeline["manifests"],
+        pipeline["vocab_map"],
+        state,
+        state / "m.jsonl",
+        trainer_class=trainer_class,
+    )
+
+
 @pytest.fixture(scope="session")
 def pipeline(tokenizer, verifier_record, tmp_path_factory):
     """Prepared samples, two shards, a vocab map and a trained tiny draft (a few seconds)."""

@@ -33,7 +33,7 @@ import tiny
 import torch
 import yaml
 
-from eagle3lib import data, hidden_states, vocab
+from eagle3lib import data, hidden_states, precision, vocab
 from eagle3lib.config import PrepareConfig, config_errors, resolve_data_path
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import sha256_file, write_json
@@ -260,7 +260,7 @@ class Env:
         assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
         return ckpt
 
-    def evaluate(self, ckpt: Path) -> str:
+    def evaluate(self, ckpt: Path, **evaluate_cfg) -> str:
         manifest = self.inp / "shard-0.json"  # evaluate reads the layer ids only
         write_json(manifest, {"layer_ids": [*AUX, self.w.record["num_hidden_layers"]]})
         return self.script(
@@ -269,8 +269,21 @@ class Env:
             "--config", ckpt / "config.json",
             "--manifest", manifest,
             "--eval-sets", json.dumps([{"name": "eval", "path": str(self.w.evals), "max_prompts": None}]),
-            "--evaluate", json.dumps({"k": 2, "max_new_tokens": 4}),
+            "--evaluate", json.dumps({"k": 2, "max_new_tokens": 4, **evaluate_cfg}),
             "--out", self.out / "acceptance.json",
+        )  # fmt: skip
+
+    def serve_check(self, **vllm_cfg) -> str:
+        return self.script(
+            "serve_check",
+            "--verifier", self.w.record_path,
+            "--config", self.inp / "checkpoint" / "config.json",
+            "--prompts", self.w.evals,
+            "--evaluate", json.dumps({"k": 2, "max_new_tokens": 4}),
+            "--vllm", json.dumps(vllm_cfg),
+            "--vllm-python", sys.executable,
+            "--server-log", self.out / "server.log",
+            "--out", self.out / "vllm_acceptance.json",
         )  # fmt: skip
 
     def tokenizer_record(self, template: str | None) -> Path:
@@ -491,6 +504,12 @@ def _checkpoint_truncated(env):
     return env.evaluate(ckpt)
 
 
+def _without_native_bf16(env):
+    """This host's CPU as one without native bf16, whatever it has."""
+    env.monkeypatch.setattr(precision, "cpu_native_bf16", lambda: False)
+    return env
+
+
 def _checkpoint_config_missing(env):
     ckpt = env.inp / "checkpoint"
     ckpt.mkdir()
@@ -587,6 +606,9 @@ CASES = [
          "config key extract.aux_layers: layer id(s) [8]", "out of range [0, 7]"),
     Case("more-shards-than-samples", lambda env: env.extract(shard=0, shards=7),
          "config key extract.shards", "use at most 6 shards"),
+    Case("extract-bf16-on-a-cpu-without-bf16",
+         lambda env: _without_native_bf16(env).extract(dtype="bfloat16"),
+         "config key extract.dtype: bfloat16 on this CPU", "use auto or float32"),
     # -- shards and vocab map (train) --
     Case("manifest-hidden-size-differs", lambda env: env.train(*env.shard(hidden_size=4096)),
          "{inp}/shard-0.json: shard was extracted with hidden_size=4096", REDO_SHARDS),
@@ -606,6 +628,12 @@ CASES = [
     Case("checkpoint-config-missing", _checkpoint_config_missing,
          "{inp}/checkpoint/config.json: unreadable checkpoint config",
          "rerun the workflow to retrain it"),
+    Case("vllm-bf16-on-a-cpu-without-bf16",
+         lambda env: _without_native_bf16(env).serve_check(dtype="bfloat16"),
+         "config key vllm.dtype: bfloat16 on this CPU", "use auto or float32"),
+    Case("evaluate-bf16-on-a-cpu-without-bf16",
+         lambda env: _without_native_bf16(env).evaluate(env.checkpoint(), dtype="bfloat16"),
+         "config key evaluate.dtype: bfloat16 on this CPU", "use auto or float32"),
     # -- the config file (checked when the workflow starts) --
     Case("config-unknown-nested-key", _nested_typo, "config key data.train.pathh: unknown key",
          "allowed here: allow_truncated_json, max_samples, path"),

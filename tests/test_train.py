@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_pipeline
 
 from eagle3lib import train
 from eagle3lib.errors import UserError
@@ -100,24 +101,13 @@ def test_flex_attention_on_cpu_is_refused():
 
 def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp_path):
     """Same data, seed and steps: the loss of every step equals speculators' own loop."""
-    from dataclasses import replace
 
     from speculators.train.trainer import Trainer
 
-    cfg = replace(pipeline["train_cfg"], epochs=1)
     curves = {}
     for name, cls in (("speculators", Trainer), ("streaming", train.StreamingTrainer)):
         state = tmp_path / name
-        train.train(
-            cfg,
-            pipeline["record"],
-            pipeline["shards"],
-            pipeline["manifests"],
-            pipeline["vocab_map"],
-            state,
-            state / "m.jsonl",
-            trainer_class=cls,
-        )
+        train_pipeline(pipeline, state, trainer_class=cls, epochs=1)
         curves[name] = train.loss_curves(train.read_metrics(state / "m.jsonl"))
     assert len(curves["streaming"]["train_loss"]) >= 3
     assert curves["streaming"]["train_loss"] == curves["speculators"]["train_loss"]
@@ -125,19 +115,8 @@ def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp
 
 
 def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
-    from dataclasses import replace
-
-    cfg = replace(pipeline["train_cfg"], epochs=2, max_steps=2)
     state = tmp_path / "s"
-    stats = train.train(
-        cfg,
-        pipeline["record"],
-        pipeline["shards"],
-        pipeline["manifests"],
-        pipeline["vocab_map"],
-        state,
-        state / "m.jsonl",
-    )
+    stats = train_pipeline(pipeline, state, epochs=2, max_steps=2)
     curves = train.loss_curves(train.read_metrics(state / "m.jsonl"))
     assert curves["step"] == [0, 1]
     assert stats["final_epoch_dir"] == str(state / "1")
@@ -369,3 +348,58 @@ def test_training_on_fp8_shards_follows_bf16_training(pipeline, fp8_shards, tmp_
     assert fp8 != bf16  # the fp8 states were used
     for a, b in zip(fp8, bf16, strict=True):
         assert math.isfinite(a) and abs(a - b) <= 0.02 * abs(b)
+
+
+@pytest.mark.parametrize(
+    "seconds, text", [(0.4, "0 s"), (42, "42 s"), (200, "3 min 20 s"), (3725, "1 h 02 min")]
+)
+def test_duration(seconds, text):
+    assert train.duration(seconds) == text
+
+
+def test_progress_line_extrapolates_from_this_runs_pace():
+    # a resumed run: steps 100..120 took 60 s here, 180 steps are left at 3 s each
+    line = train.progress_line(120, 300, 1, 3, 24_000, 60.0, 20)
+    assert line == (
+        "train: step 120/300 (epoch 2/3), 400 tokens/s, 1 min 00 s elapsed, about 9 min 00 s left"
+    )
+
+
+def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeypatch):
+    import io
+
+    clock = iter([0.0, 1.0, 2.0, 12.5, 13.0, 14.0])
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    progress = train.TrainingProgress(epochs=1, every=10.0, stream=out)
+    progress.epoch_started(0, 0, 5)
+    for step in range(1, 6):
+        progress.step(step, 0, 100)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "train: step 1/5",
+        "train: step 3/5",
+        "train: step 5/5",
+    ]
+    assert lines[-1].endswith("36 tokens/s, 14 s elapsed, about 0 s left")  # 500 in 14 s
+
+
+def test_progress_total_follows_each_epochs_step_count_and_max_steps():
+    progress = train.TrainingProgress(epochs=3)
+    progress.epoch_started(0, 0, 71)
+    assert progress.total == 213
+    progress.epoch_started(2, 141, 70)  # the packing gave the last epoch one step less
+    assert progress.total == 211
+    capped = train.TrainingProgress(epochs=3, max_steps=100)
+    capped.epoch_started(0, 0, 71)
+    assert capped.total == 100
+
+
+def test_streaming_trainer_prints_progress_to_stderr(pipeline, tmp_path, capfd):
+    state = tmp_path / "s"
+    train_pipeline(pipeline, state, epochs=2)
+    steps = len(train.loss_curves(train.read_metrics(state / "m.jsonl"))["step"])
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("train: step")]
+    assert lines[0].startswith("train: step 1/")
+    assert lines[-1].startswith(f"train: step {steps}/{steps} (epoch 2/2), ")
+    assert "tokens/s" in lines[-1] and lines[-1].endswith("about 0 s left")

@@ -5,6 +5,7 @@ the previous one left.
 """
 
 import json
+import re
 
 import pytest
 import tiny
@@ -81,6 +82,12 @@ def test_first_run_builds_checkpoint_and_report(ws):
     ):
         assert (ws.results / "logs" / f"{rule}.log").exists()
     assert not list(ws.results.rglob(".*.tmp-*"))
+    # the train job's progress reaches the terminal; its log keeps all its output
+    progress = re.findall(
+        r"^train: step \d+/\d+ \(epoch 1/1\), [\d,]+ tokens/s, .* left$", out, re.M
+    )
+    assert progress and progress[-1].endswith("about 0 s left"), out
+    assert progress[-1] in (ws.results / "logs" / "train.log").read_text()
 
 
 def test_second_run_does_nothing(ws):
@@ -180,6 +187,16 @@ def test_html_report_has_the_dag_plots_and_tables(ws):
         check=True,
     )
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 30_000  # not a blank page
+
+
+def test_a_failing_train_job_fails_the_workflow_with_its_error_in_the_log(ws):
+    ws.write(train={"attention": "simple_flex_attention"})  # no backward pass on CPU
+    proc = run_snakemake(ws.dir, ws.config, check=False)
+    assert proc.returncode != 0 and "Error in rule train" in proc.stdout + proc.stderr
+    log = (ws.results / "logs" / "train.log").read_text()
+    assert "error: config key train.attention: flex attention has no backward pass" in log
+    assert not (ws.results / "checkpoint" / "model.safetensors").exists()
+    ws.write(train={"attention": "auto"})
 
 
 def test_changing_a_training_hyperparameter_retrains_without_extracting(ws):
