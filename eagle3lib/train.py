@@ -859,7 +859,7 @@ def train(
     layer_ids = manifests[0]["layer_ids"]
     aux = layer_ids[:-1]
     # Every shard must come from this verifier, with the same layers, hidden size and storage.
-    state_dtype = manifests[0].get("state_dtype", "bfloat16")
+    state_dtype = manifests[0].get("state_dtype")
     expect = {
         "verifier": identity(record),
         "layer_ids": layer_ids,

@@ -219,6 +219,7 @@ class Env:
             "verifier": identity(self.w.record),
             "layer_ids": [*AUX, self.w.record["num_hidden_layers"]],
             "hidden_size": hidden,
+            "state_dtype": "bfloat16",
             "file": {
                 "name": shard_path.name,
                 "bytes": shard_path.stat().st_size,
