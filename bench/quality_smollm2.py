@@ -12,6 +12,13 @@ The runs themselves are plain workflow runs (one per GPU when there are two):
 
 ``table`` reads results/<run>/reports/{summary,acceptance}.json of both and prints acceptance
 per eval set and k, time and disk per stage, and ``quality.smollm2.*`` key = value lines.
+
+    python bench/quality_smollm2.py fp8-parity --parallel 2    # bf16 vs fp8 shards
+
+``fp8-parity`` builds the preset without regeneration four times, bf16 and fp8 shards
+(extract.storage) with train seeds 42 and 43, each under its own run name (``--parallel`` runs
+at once, one GPU each), then prints acceptance per run, the mean per storage with the seeds'
+spread, fp8 minus bf16 per eval set and k, and ``quality.smollm2.fp8.*`` lines.
 """
 
 from __future__ import annotations
@@ -226,17 +233,115 @@ def table(results: Path, out: Path | None) -> str:
     return text
 
 
+PARITY = [(storage, seed) for storage in ("bf16", "fp8") for seed in (42, 43)]
+
+
+def parity_run(storage: str, seed: int) -> str:
+    return f"smollm2-parity-{storage}-s{seed}"
+
+
+def fp8_parity(out: Path, parallel: int, epochs: int | None, cores: int) -> int:
+    """The preset (original answers) with bf16 and fp8 shards, two seeds each."""
+    import yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    pending = []
+    for storage, seed in PARITY:
+        overlay = out / f"{parity_run(storage, seed)}.yaml"
+        train = {"seed": seed, **({"epochs": epochs} if epochs else {})}
+        overlay.write_text(
+            yaml.safe_dump(
+                {
+                    "run": parity_run(storage, seed),
+                    "regenerate": {"enabled": False},
+                    "extract": {"storage": storage},
+                    "train": train,
+                    "serve_check": {"enabled": False},  # no vLLM on the lent GPU image
+                }
+            )
+        )
+        pending.append(
+            [sys.executable, "-m", "snakemake", "--configfile", "configs/smollm2-gpu.yaml",
+             str(overlay), "--cores", str(cores // parallel), "--resources", "gpu=1",
+             "--rerun-incomplete", "--show-failed-logs"]
+        )  # fmt: skip
+    running, failed = [], 0
+    t0 = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < parallel:
+            cmd = pending.pop(0)
+            log = open(out / f"{Path(cmd[5]).stem}.log", "w")  # noqa: SIM115 - closed below
+            running.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log,
+                                             env=python_on_path(out)), log, cmd[5]))  # fmt: skip
+        time.sleep(5)
+        for item in list(running):
+            proc, log, overlay = item
+            if proc.poll() is not None:
+                log.close()
+                running.remove(item)
+                failed += proc.returncode != 0
+                print(f"parity: {Path(overlay).stem} exit {proc.returncode} "
+                      f"at {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+    print(parity_table(ROOT / "results"))
+    return 1 if failed else 0
+
+
+def parity_table(results: Path) -> str:
+    import statistics
+
+    runs = {}
+    for storage, seed in PARITY:
+        path = results / parity_run(storage, seed) / "reports" / "acceptance.json"
+        if path.exists():
+            for r in json.loads(path.read_text())["results"]:
+                runs[(storage, seed, r["eval_set"], r["k"])] = r
+    lines = ["| storage | seed | eval set | k | acceptance length | per-position acceptance |"]
+    lines.append("|---|---|---|---|---|---|")
+    for (storage, seed, name, k), r in sorted(runs.items()):
+        per = ", ".join(f"{x:.3f}" for x in r["per_position_acceptance"])
+        lines.append(
+            f"| {storage} | {seed} | {name} | {k} | {r['acceptance_length']:.4f} | {per} |"
+        )
+    keys, deltas = [], []
+    for name, k in sorted({(n, k) for (_, _, n, k) in runs}):
+        means = {}
+        for storage in ("bf16", "fp8"):
+            values = [runs[(storage, s, name, k)]["acceptance_length"]
+                      for s in (42, 43) if (storage, s, name, k) in runs]  # fmt: skip
+            if len(values) == 2:
+                means[storage] = statistics.mean(values)
+                keys.append(f"quality.smollm2.{storage}.{name}.k{k}.acceptance_length = "
+                            f"{means[storage]:.4f}")  # fmt: skip
+                keys.append(f"quality.smollm2.{storage}.{name}.k{k}.seed_spread = "
+                            f"{abs(values[0] - values[1]):.4f}")  # fmt: skip
+        if len(means) == 2:
+            delta = means["fp8"] - means["bf16"]
+            keys.append(f"quality.smollm2.fp8.{name}.delta_k{k} = {delta:+.4f}")
+            if k == 3:
+                deltas.append(abs(delta))
+    if deltas:
+        keys.append(
+            f"quality.smollm2.fp8.delta_k3 = {max(deltas):.4f}  (largest |fp8 - bf16| at k = 3)"
+        )
+    return "\n".join(lines + [""] + keys) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("mode", choices=["smoke", "generate-speed", "table"])
+    p.add_argument("mode", choices=["smoke", "generate-speed", "table", "fp8-parity"])
+    p.add_argument("--parallel", type=int, default=1, help="fp8-parity: runs at once (GPUs)")
+    p.add_argument("--epochs", type=int, default=None, help="fp8-parity: train.epochs")
+    p.add_argument("--cores", type=int, default=16)
     p.add_argument("--out", type=Path)
     p.add_argument("--cpu", action="store_true", help="smoke without GPUs")
     p.add_argument("--results", type=Path, default=Path("results"))
     a = p.parse_args()
     if a.mode == "smoke":
         return smoke(a.out or Path("/tmp/quality-smoke"), 0 if a.cpu else 1)
+    if a.mode == "fp8-parity":
+        return fp8_parity(a.out or Path("/tmp/fp8-parity"), a.parallel, a.epochs, a.cores)
     if a.mode == "generate-speed":
         generate_speed()
         return 0
