@@ -620,6 +620,10 @@ CASES = [
          "config key verifier: 'path' is a required property", "add it"),
     Case("config-duplicate-aux-layers", _set("extract", "aux_layers", [3, 3, 5]),
          "config key extract.aux_layers: duplicate layer id(s) [3]", "list each layer once"),
+    Case("config-evaluate-k-above-bound", _set("evaluate", "k", 17),
+         "config key evaluate.k: 17 is greater than the maximum of 16", "use a smaller value"),
+    Case("config-evaluate-k-list-above-bound", _set("evaluate", "k", [3, 40]),
+         "config key evaluate.k.1: 40 is greater than the maximum of 16", "use a smaller value"),
 ]  # fmt: skip
 
 
