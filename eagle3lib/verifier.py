@@ -174,6 +174,9 @@ def materialize(
             raise UserError(f"verifier {path!r}: no weight files (*.safetensors) found")
         weights = weights_checksum(safetensors or pickles)
 
+    from eagle3lib import lm_weights
+
+    lm = lm_weights.resolve(path, load_path, kind, config, trust_remote_code, allow_pickle)
     tc = text_config(config)
     config_dict = json.loads(config.to_json_string(use_diff=False))
     config_dict.pop("_name_or_path", None)
@@ -193,6 +196,7 @@ def materialize(
         "trust_remote_code": trust_remote_code,
         "custom_code": custom_code,  # its own (trusted) code, not transformers', builds it
         "allow_pickle": allow_pickle,
+        "lm_weights": lm,  # checkpoint keys of the language model's embeddings, LM head, norm
     }
 
 

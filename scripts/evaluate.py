@@ -48,7 +48,7 @@ def main() -> None:
         for prompt in eval_set["prompts"]:
             prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
-    draft = checkpoint.load_draft(a.config.parent, record["load_path"], "sdpa", dtype).to(device)
+    draft = checkpoint.load_draft(a.config.parent, record, "sdpa", dtype).to(device)
     result = evaluate.evaluate(
         model,
         draft,

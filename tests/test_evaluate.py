@@ -11,9 +11,7 @@ AUX = [2, 4, 5]
 
 @pytest.fixture(scope="module")
 def draft(pipeline):
-    return checkpoint.load_draft(
-        pipeline["checkpoint"], pipeline["record"]["load_path"], "sdpa", torch.float32
-    )
+    return checkpoint.load_draft(pipeline["checkpoint"], pipeline["record"], "sdpa", torch.float32)
 
 
 def test_acceptance_stats_follow_vllm_definitions():
@@ -202,7 +200,7 @@ def test_bf16_evaluation_runs_the_draft_in_its_own_dtype(pipeline, verifier_mode
     import copy
 
     draft = checkpoint.load_draft(
-        pipeline["checkpoint"], pipeline["record"]["load_path"], "sdpa", torch.bfloat16
+        pipeline["checkpoint"], pipeline["record"], "sdpa", torch.bfloat16
     )
     model = copy.deepcopy(verifier_model).to(torch.bfloat16)
     result = evaluate.evaluate(
