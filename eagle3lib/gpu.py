@@ -8,7 +8,9 @@ kernel releases even on SIGKILL, records NVML used memory per leased device, run
 in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again
 once the command's main process has exited: anything it left running in its group is still
 alive then, so its memory shows; such processes are recorded and stopped before the lease is
-released. On a machine without an NVIDIA driver the record says so.
+released. On a machine without an NVIDIA driver the record says so. The command gets SIGTERM
+when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
+eagle3lib/lifetime.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import child_dies_with_me
 
 # Memory a finished job may leave on a device before validation calls it a leak.
 LEAK_THRESHOLD_MIB = 256
@@ -138,13 +141,18 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def stop_group(pgid: int, grace: float = 30.0) -> None:
-    """SIGTERM a process group, wait for it, SIGKILL what is left."""
+def stop_group(pgid: int, grace: float = 30.0, leader: subprocess.Popen | None = None) -> None:
+    """SIGTERM a process group, wait for it, SIGKILL what is left. ``leader``: the group's
+    first process, our child, reaped as soon as it exits (a zombie still counts as alive)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()  # reaped once it has exited
+        if not group_alive(pgid):
+            break
+        time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
 
@@ -157,12 +165,15 @@ def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         before = nvml_snapshot(devices or None)
         t0 = time.time()
-        proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+        # own process group (stopped as a whole), SIGTERM when this wrapper dies
+        proc = subprocess.Popen(
+            list(argv), env=env, start_new_session=True, preexec_fn=child_dies_with_me()
+        )
         previous = signal.signal(signal.SIGTERM, _raise_exit)  # snakemake stops jobs with TERM
         try:
             rc = proc.wait()
         except BaseException:
-            stop_group(proc.pid)  # the lease is released only once the job is gone
+            stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)

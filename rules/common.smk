@@ -94,9 +94,12 @@ if workflow.is_main_process:
     forget_damaged_shards()
 
 
+# Every rule's command starts with `exec`: it replaces the shell snakemake starts it in, so the
+# job's process is snakemake's own child and, by its parent-death signal, ends with it
+# (eagle3lib/lifetime.py).
 # Rules without a GPU resource hide the GPUs from their command: a job that initialised CUDA on
 # its own would use a device another job leased (and show in that job's NVML record as a leak).
-CPU_ONLY = "CUDA_VISIBLE_DEVICES= "
+CPU_ONLY = "CUDA_VISIBLE_DEVICES= exec "
 
 
 def section(name, drop=("gpus", "gpus_per_job")):

@@ -47,7 +47,7 @@ rule evaluate:
         evaluate=section("evaluate"),
         eval_sets=json.dumps(eval_sets()),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --eval-sets {params.eval_sets:q}"
         " --evaluate {params.evaluate:q}"
@@ -84,7 +84,7 @@ rule serve_check:
         max_prompts=config["data"]["eval"]["max_prompts"] or 0,
         server_log=log("serve_check-server"),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
         " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
         " --prompts {input.prompts} --max-prompts {params.max_prompts}"
         " --evaluate {params.evaluate:q} --vllm {params.engine:q}"

@@ -25,7 +25,7 @@ rule extract:
         engine=extract_engine()["engine"],
         python=extract_engine()["python"],
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --samples {input.samples}"
         " --info {input.info} --shard {wildcards.shard} --extract {params.extract:q}"
         " --threads {threads} --out-shard {output.shard} --out-manifest {output.manifest}"

@@ -28,7 +28,7 @@ rule regenerate:
         work=REGENERATE_WORK,
         server_log=log("regenerate-server"),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --train {input.train}"
         " --data {params.data:q} --regenerate {params.regenerate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --work-dir {params.work}"

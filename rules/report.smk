@@ -17,7 +17,7 @@ rule report:
     params:
         run=RUN,
     shell:
-        "python {input.script} --run {params.run} --verifier {input.verifier}"
+        "exec python {input.script} --run {params.run} --verifier {input.verifier}"
         " --samples-info {input.samples_info} --manifests {input.manifests}"
         " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
@@ -41,4 +41,4 @@ rule validate:
     conda:
         "../envs/train.yaml"
     shell:
-        "python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"
+        "exec python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"

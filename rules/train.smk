@@ -27,7 +27,7 @@ rule train:
         train=section("train"),
         state=TRAIN_STATE,
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"

@@ -8,6 +8,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json, write_json
 from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -19,6 +20,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders("check_checkpoint", a.out, a.provenance)
 
     from eagle3lib import checkpoint
 

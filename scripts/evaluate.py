@@ -10,6 +10,7 @@ from eagle3lib.config import EvaluateConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json, write_json
 from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders("evaluate", a.out, a.provenance)
 
     import torch
 

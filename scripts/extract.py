@@ -11,6 +11,7 @@ from eagle3lib.data import load_samples
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json
 from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -28,6 +29,7 @@ def main() -> None:
     p.add_argument("--out-manifest", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders(f"extract-{a.shard}", a.out_shard, a.out_manifest, a.provenance)
 
     import torch
 

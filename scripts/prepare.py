@@ -10,6 +10,7 @@ from eagle3lib.config import PrepareConfig, from_dict
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json as read_record
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 from eagle3lib.verifier import load_tokenizer
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders("prepare", a.out_samples, a.out_info, a.provenance)
     section = json.loads(a.data)
     cfg = from_dict(PrepareConfig, {**section, **section["train"]})
     record = read_record(a.verifier)

@@ -8,6 +8,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1, help="data-parallel generate processes")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of --workers
     a = p.parse_args()
+    if a.worker is None:  # its workers write chunks of the job that holds the lock
+        hold_folders("regenerate", a.out, a.out_info, a.provenance)
 
     from eagle3lib import regenerate as rg
     from eagle3lib.config import from_dict

@@ -8,6 +8,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib import report
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, read_json, write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -32,6 +33,9 @@ def main() -> None:
     p.add_argument("--out-plot-loss", type=Path, required=True)
     p.add_argument("--out-tables", type=Path, required=True, help="HTML tables for --report")
     a = p.parse_args()
+    hold_folders(
+        "report", a.out, a.out_markdown, a.out_plot_acceptance, a.out_plot_loss, a.out_tables
+    )
 
     prepare = read_json(a.samples_info)
     prepare.pop("ids", None)

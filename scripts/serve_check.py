@@ -13,6 +13,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import EvaluateConfig, from_dict
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
     a = p.parse_args()
+    hold_folders("serve_check", a.out, a.provenance)
 
     from transformers import AutoTokenizer
 

@@ -14,6 +14,7 @@ from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
 from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
 
 
 def parse():
@@ -38,6 +39,8 @@ def parse():
 @cli
 def main() -> None:
     a = parse()
+    if "LOCAL_RANK" not in os.environ:  # a torchrun worker: the lock is torchrun's (inherited)
+        hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)
     processes = a.processes if a.processes is not None else a.gpus
     if processes > 1 and "LOCAL_RANK" not in os.environ:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

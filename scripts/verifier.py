@@ -7,6 +7,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 from eagle3lib.verifier import materialize
 
 
@@ -18,6 +19,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders("verifier", a.out, a.provenance, a.hf_dir)
     v = json.loads(a.verifier)
     record = materialize(
         v["path"],

@@ -9,6 +9,7 @@ from eagle3lib import vocab
 from eagle3lib.data import load_samples
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -20,6 +21,7 @@ def main() -> None:
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     a = p.parse_args()
+    hold_folders("vocab", a.out_map, a.out_info, a.provenance)
     freq = load_samples(a.samples).token_freq
     d2t, t2d = vocab.build(freq, a.draft_vocab_size)
     vocab.save(a.out_map, d2t, t2d)
