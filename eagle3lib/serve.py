@@ -263,6 +263,13 @@ def serve_command(verifier: str, checkpoint: str, k: int, trust_remote_code: boo
     return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(spec)}"
 
 
+def from_folder(path: str, folder: str | os.PathLike) -> str:
+    """A relative local path as seen from ``folder`` (hub ids and absolute paths as they are)."""
+    if os.path.isabs(path) or not os.path.exists(path):
+        return path
+    return os.path.relpath(path, folder)
+
+
 def reference_greedy(
     model: str, prompts: list[list[int]], max_tokens: int, engine_kwargs: dict[str, Any]
 ) -> list[list[int]]:

@@ -574,7 +574,7 @@ def build_draft(
             trust_remote_code=record["trust_remote_code"],
         )
     with speculators_reads(record):
-        return Eagle3DraftModel.from_training_args(
+        model = Eagle3DraftModel.from_training_args(
             verifier_config=layer_config,
             t2d=vocab_map["t2d"],
             d2t=vocab_map["d2t"],
@@ -589,6 +589,11 @@ def build_draft(
             draft_attn_impl=attention,
             trust_remote_code=record["trust_remote_code"],
         )
+    # The trainer's saved configs name the verifier portably (as the exported checkpoint
+    # does), never a path into the run folder (a GGUF verifier's converted copy).
+    model.config.speculators_config.verifier.name_or_path = record["name"]
+    model.config.transformer_layer_config._name_or_path = ""  # noqa: SLF001
+    return model
 
 
 def save_state_losslessly(checkpointer) -> None:

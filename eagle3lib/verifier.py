@@ -14,7 +14,7 @@ from typing import Any
 
 from eagle3lib.config import PACKAGE_PREFIX, resolve_package_path
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
+from eagle3lib.fileio import atomic_path, read_json, sha256_bytes, sha256_file, sha256_json
 
 # Hash weight files in full up to this total size; above it hash the safetensors headers
 # (tensor names, dtypes, shapes, offsets) and file sizes, which is fast for terabyte models.
@@ -198,6 +198,26 @@ def materialize(
         "allow_pickle": allow_pickle,
         "lm_weights": lm,  # checkpoint keys of the language model's embeddings, LM head, norm
     }
+
+
+def portable(record: dict[str, Any], record_path: Path) -> dict[str, Any]:
+    """The record as verifier.json holds it: a load path inside the record's own folder (the
+    HF folder converted from a GGUF) relative to that folder, so that a copied or renamed run
+    folder refers to its own copy."""
+    load_path = Path(record["load_path"])
+    folder = Path(record_path).parent
+    if record["kind"] != "gguf" or not load_path.resolve().is_relative_to(folder.resolve()):
+        return record
+    relative = str(load_path.resolve().relative_to(folder.resolve()))
+    return {**record, "load_path": relative, "load_path_relative": True}
+
+
+def read_record(path: str | os.PathLike) -> dict[str, Any]:
+    """verifier.json, with a load path relative to its folder resolved (see ``portable``)."""
+    record = read_json(path)
+    if record.pop("load_path_relative", False):
+        record["load_path"] = str(Path(path).parent / record["load_path"])
+    return record
 
 
 def identity(record: dict[str, Any]) -> dict[str, Any]:

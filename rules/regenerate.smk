@@ -22,6 +22,7 @@ rule regenerate:
         workers=config["regenerate"]["workers"],
     params:
         data=regenerate_data(),
+        stamp=stamp("regenerate"),
         regenerate=section("regenerate", drop=("gpus", "enabled", "workers")),
         engine=section("vllm"),
         python=vllm_python(),
@@ -34,4 +35,4 @@ rule regenerate:
         " --vllm-python {params.python} --work-dir {params.work}"
         " --server-log {params.server_log} --threads {threads} --workers {resources.workers}"
         " --out {output.conversations} --out-info {output.info}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

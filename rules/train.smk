@@ -25,6 +25,7 @@ rule train:
         gpu=config["train"]["gpus"],
     params:
         train=section("train"),
+        stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
         "exec python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
@@ -34,4 +35,4 @@ rule train:
         " --threads {threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

@@ -13,8 +13,8 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
-from eagle3lib.fileio import read_json as read_record
 from eagle3lib.lifetime import hold_folders
+from eagle3lib.verifier import read_record
 
 
 def parse():
@@ -33,6 +33,7 @@ def parse():
     p.add_argument("--out-card", type=Path, required=True)
     p.add_argument("--out-summary", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     return p.parse_args()
 
 
@@ -71,12 +72,16 @@ def main() -> None:
     stats["epochs"] = cfg.epochs
     with atomic_path(a.out_card) as tmp:
         tmp.write_text(checkpoint.model_card(config, record, stats))
+    # relative to the summary's folder: true for a copied or renamed run folder
+    stats["final_epoch_dir"] = os.path.relpath(stats["final_epoch_dir"], a.out_summary.parent)
     summary = {**stats, "curves": train.loss_curves(train.read_metrics(metrics))}
     write_json(a.out_summary, summary)
     if a.provenance:
         from eagle3lib import provenance
 
-        provenance.write(a.provenance, "train", json.loads(a.train), a.verifier, cfg.seed)
+        provenance.write(
+            a.provenance, "train", json.loads(a.train), a.verifier, cfg.seed, stamp=a.stamp
+        )
     print(json.dumps({k: v for k, v in summary.items() if k != "curves"}, indent=2))
 
 

@@ -20,6 +20,7 @@ def main() -> None:
     p.add_argument("--out-map", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
     hold_folders("vocab", a.out_map, a.out_info, a.provenance)
     freq = load_samples(a.samples).token_freq
@@ -31,7 +32,12 @@ def main() -> None:
         from eagle3lib import provenance
 
         provenance.write(
-            a.provenance, "vocab", {"draft_vocab_size": a.draft_vocab_size}, None, None
+            a.provenance,
+            "vocab",
+            {"draft_vocab_size": a.draft_vocab_size},
+            None,
+            None,
+            stamp=a.stamp,
         )
     print(json.dumps(info, indent=2))
 

@@ -406,7 +406,7 @@ def test_killed_training_resumes_mid_epoch_to_the_same_bytes(pipeline, tmp_path)
         if had_checkpoint[seed]:  # continued from it: fewer steps than a whole run
             assert train_records(work) - steps_before[seed] < total_steps
         assert (work / "checkpoint" / "model.safetensors").read_bytes() == reference, seed
-        final = Path(json.loads((work / "summary.json").read_text())["final_epoch_dir"])
+        final = work / json.loads((work / "summary.json").read_text())["final_epoch_dir"]
         global_step = json.loads((final / "training_state.json").read_text())["global_step"]
         assert global_step == total_steps and step_counters(final) == {float(total_steps)}
         states = work / "state"
