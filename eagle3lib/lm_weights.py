@@ -39,15 +39,22 @@ def weight_index(load_path: str, kind: str, allow_pickle: bool) -> dict[str, tup
     repository's safetensors metadata."""
     index: dict[str, tuple[str, list]] = {}
     if kind == "hub":
-        from huggingface_hub import get_safetensors_metadata
+        from huggingface_hub import get_safetensors_metadata, snapshot_download
 
         try:
             meta = get_safetensors_metadata(load_path)
         except Exception as exc:  # noqa: BLE001 - offline, missing repository, no safetensors
-            raise UserError(
-                f"config key verifier.path: cannot read the weight index of {load_path!r} "
-                f"({str(exc).splitlines()[0]}); use a local model folder or a reachable hub id"
-            ) from None
+            try:  # offline: the weights in the local hub cache
+                folder = snapshot_download(
+                    load_path, allow_patterns=["*.safetensors*"], local_files_only=True
+                )
+            except Exception:  # noqa: BLE001
+                raise UserError(
+                    f"config key verifier.path: cannot read the weight index of {load_path!r} "
+                    f"({str(exc).splitlines()[0]}); use a local model folder or a reachable "
+                    "hub id"
+                ) from None
+            return weight_index(folder, "local", allow_pickle)
         for name, info in meta.files_metadata.items():
             for key, tensor in info.tensors.items():
                 index[key] = (name, list(tensor.shape))
