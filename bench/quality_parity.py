@@ -563,7 +563,7 @@ def evaluate_child(spec_path: str) -> None:
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
     for job in spec["jobs"]:
         ckpt = Path(job["checkpoint"])
-        draft = checkpoint.load_draft(ckpt, record["load_path"], "sdpa", dtype).to(device)
+        draft = checkpoint.load_draft(ckpt, record, "sdpa", dtype).to(device)
         result = evaluate.evaluate(
             model, draft, tokenizer, prompts, cfg, aux, log=lambda m: print(m, flush=True)
         )

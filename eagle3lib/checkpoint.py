@@ -102,15 +102,19 @@ def check_readable(checkpoint: Path) -> None:
         ) from None
 
 
-def load_draft(checkpoint: Path, verifier_load_path: str, attention: str, dtype: torch.dtype):
-    """Reload with speculators; the verifier's embeddings/norm/lm_head come from a local copy."""
+def load_draft(checkpoint: Path, record: dict[str, Any], attention: str, dtype: torch.dtype):
+    """Reload with speculators; the verifier's norm and LM head (which the checkpoint does not
+    hold) are the language model's tensors resolved for this verifier (``lm_weights``)."""
     from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3lib.lm_weights import speculators_reads
 
     check_readable(checkpoint)
     config = load_config(checkpoint)
-    config.speculators_config.verifier.name_or_path = verifier_load_path
+    config.speculators_config.verifier.name_or_path = record["load_path"]
     config.transformer_layer_config._attn_implementation = attention  # noqa: SLF001
-    model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
+    with speculators_reads(record):
+        model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
     model.eval()
     return model
 
@@ -215,7 +219,7 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
 
     if not problems:
         try:
-            draft = load_draft(checkpoint, record["load_path"], "sdpa", torch.float32)
+            draft = load_draft(checkpoint, record, "sdpa", torch.float32)
             n = len(expected_aux)
             with torch.no_grad():
                 tokens = draft(

@@ -168,7 +168,10 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     validator = jsonschema.Draft202012Validator(schema)
     messages = []
     for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.path))):
-        where = ".".join(str(p) for p in error.path)
+        # oneOf/anyOf (e.g. a number or a list): the alternative whose type matched says more
+        matched = [e for e in error.context or () if e.validator != "type"]
+        error = matched[0] if matched else error
+        where = ".".join(str(p) for p in error.absolute_path)
         if error.validator == "additionalProperties":
             allowed = sorted(error.schema.get("properties", {}))
             unknown = sorted(set(error.instance) - set(allowed))

@@ -166,6 +166,8 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
         raise InvalidRecord("record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
     if not isinstance(turns, list):
         raise InvalidRecord("turns are not a list")
+    if not turns:
+        raise InvalidRecord("no turns", "the turn list is empty")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):

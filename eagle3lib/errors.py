@@ -31,6 +31,11 @@ def cli(main: F) -> F:
         # SIGTERM (how snakemake and schedulers stop jobs) unwinds like an exception, so
         # servers are stopped and half-written files removed on the way out.
         signal.signal(signal.SIGTERM, _terminate)
+        if main.__module__ == "__main__":  # a job's process (not a test calling main)
+            from eagle3lib.lifetime import die_with_parent
+
+            if not die_with_parent():  # SIGTERM when its parent dies (eagle3lib/lifetime.py)
+                sys.exit(128 + signal.SIGTERM)
         try:
             return main(*args, **kwargs)
         except UserError as exc:

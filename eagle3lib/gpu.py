@@ -8,7 +8,9 @@ kernel releases even on SIGKILL, records NVML used memory per leased device, run
 in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again
 once the command's main process has exited: anything it left running in its group is still
 alive then, so its memory shows; such processes are recorded and stopped before the lease is
-released. On a machine without an NVIDIA driver the record says so.
+released. On a machine without an NVIDIA driver the record says so. The command gets SIGTERM
+when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
+eagle3lib/lifetime.py).
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import argparse
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import child_dies_with_me
 
 # Memory a finished job may leave on a device before validation calls it a leak.
 LEAK_THRESHOLD_MIB = 256
@@ -151,31 +156,75 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def stop_group(pgid: int, grace: float = 30.0) -> None:
-    """SIGTERM a process group, wait for it, SIGKILL what is left."""
+def stop_group(pgid: int, grace: float = 30.0, leader: subprocess.Popen | None = None) -> None:
+    """SIGTERM a process group, wait for it, SIGKILL what is left. ``leader``: the group's
+    first process, our child, reaped as soon as it exits (a zombie still counts as alive)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()  # reaped once it has exited
+        if not group_alive(pgid):
+            break
+        time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
 
 
-def run(argv: Sequence[str], gpus: int, record: Path, rule: str, lock_dir: Path) -> int:
-    """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record."""
+def pump(stream, log: Path, echo: re.Pattern | None) -> threading.Thread:
+    """Copy a job's output to its log line by line; lines matching ``echo`` (their matching
+    part) also go to this process's stderr, the terminal of snakemake."""
+
+    def copy() -> None:
+        with open(log, "wb") as out:
+            for line in iter(stream.readline, b""):
+                out.write(line)
+                out.flush()
+                found = echo.search(line.decode(errors="replace")) if echo else None
+                if found:
+                    print(found.group(0), file=sys.stderr, flush=True)
+        stream.close()
+
+    thread = threading.Thread(target=copy, name="job-output", daemon=True)
+    thread.start()
+    return thread
+
+
+def run(
+    argv: Sequence[str],
+    gpus: int,
+    record: Path,
+    rule: str,
+    lock_dir: Path,
+    log: Path | None = None,
+    echo: str | None = None,
+) -> int:
+    """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record.
+    With ``log`` the job's output goes there (and lines matching ``echo`` to the terminal)."""
     with lease(gpus, device_pool() if gpus else [], lock_dir) as devices:
         env = dict(os.environ)
         # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         before = nvml_snapshot(devices or None)
         t0 = time.time()
-        proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+        # own process group (stopped as a whole), SIGTERM when this wrapper dies
+        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if log else {}
+        proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            start_new_session=True,
+            preexec_fn=child_dies_with_me(),
+            **output,
+        )
+        pumping = pump(proc.stdout, log, re.compile(echo) if echo else None) if log else None
         previous = signal.signal(signal.SIGTERM, _raise_exit)  # snakemake stops jobs with TERM
         try:
             rc = proc.wait()
+            if pumping:
+                pumping.join()
         except BaseException:
-            stop_group(proc.pid)  # the lease is released only once the job is gone
+            stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -211,6 +260,8 @@ def main(args: Sequence[str] | None = None) -> int:
     r.add_argument("--record", type=Path, required=True)
     r.add_argument("--rule", required=True)
     r.add_argument("--lock-dir", type=Path, default=Path(".snakemake/gpu_locks"))
+    r.add_argument("--log", type=Path, help="write the job's output here")
+    r.add_argument("--echo", help="regex: matching parts of output lines also go to stderr")
     r.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("snapshot", help="print the NVML reading")
     ns = parser.parse_args(args)
@@ -222,7 +273,7 @@ def main(args: Sequence[str] | None = None) -> int:
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("no command given after --")
-    return run(command, ns.gpus, ns.record, ns.rule, ns.lock_dir)
+    return run(command, ns.gpus, ns.record, ns.rule, ns.lock_dir, ns.log, ns.echo)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ themselves so that they stay byte-identical across hosts and rebuilds.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.fileio import read_json, sha256_json, write_json
+from eagle3lib.fileio import canonical_json, read_json, sha256_file, sha256_json, write_json
 
 PACKAGES = (
     "torch",
@@ -100,6 +102,80 @@ def record(
     }
 
 
-def write(path: str | os.PathLike, job: str, config: dict[str, Any], verifier_json=None, seed=None):
+def write(
+    path: str | os.PathLike,
+    job: str,
+    config: dict[str, Any],
+    verifier_json=None,
+    seed=None,
+    stamp: str | None = None,
+):
+    """Write the record; ``stamp`` (JSON, from the rule) is what made the artifacts."""
     verifier = read_json(verifier_json) if verifier_json else None
-    write_json(path, record(job, config, verifier, seed))
+    entry = record(job, config, verifier, seed)
+    if stamp:
+        entry["stamp"] = {"sha256": sha256_json(json.loads(stamp)), **json.loads(stamp)}
+    write_json(path, entry)
+
+
+# ---- stamps: what made an artifact, compared when the workflow plans ---------------------------
+
+# Input files up to this size are identified by their sha256, larger ones by their size.
+FINGERPRINT_LIMIT = 64 << 20
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """A file's identity for a stamp, independent of its path and timestamps."""
+    stat = Path(path).stat()
+    return _fingerprint(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(path: str, size: int, _mtime_ns: int) -> str:  # once per file version
+    return f"sha256:{sha256_file(path)}" if size <= FINGERPRINT_LIMIT else f"bytes:{size}"
+
+
+def stamp(config: dict[str, Any], files: dict[str, str | os.PathLike]) -> str:
+    """A job's stamp as canonical JSON: the config subset that decides its artifacts and the
+    fingerprints of the input files from outside the run (by the config key naming each).
+    Nothing in it depends on where the run folder is or what it is called."""
+    return canonical_json(
+        {"config": config, "files": {key: fingerprint(p) for key, p in files.items()}}
+    )
+
+
+def changes(old: Any, new: Any, where: str = "") -> list[str]:
+    """What differs between two config subsets, one 'key: old -> new' each."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            change
+            for key in sorted(set(old) | set(new))
+            for change in changes(old.get(key), new.get(key), f"{where}.{key}" if where else key)
+        ]
+    if old == new:
+        return []
+    return [f"{where or 'config'}: {json.dumps(old)} -> {json.dumps(new)}"]
+
+
+def stale_reason(path: str | os.PathLike, current: str) -> str | None:
+    """Why the artifacts whose provenance record is ``path`` were made by another config or
+    other input files than the stamp ``current`` describes; None when they were not, or when
+    there is nothing to compare (no record yet, or one written before stamps existed)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        recorded = read_json(path).get("stamp")
+    except (OSError, ValueError, AttributeError):
+        return "unreadable provenance record"
+    stamp_now = json.loads(current)
+    if not recorded or recorded.get("sha256") == sha256_json(stamp_now):
+        return None
+    found = changes(recorded.get("config"), stamp_now["config"])
+    old_files, new_files = recorded.get("files") or {}, stamp_now["files"]
+    found += [
+        f"the file of {key} changed"
+        for key in sorted(set(old_files) | set(new_files))
+        if old_files.get(key) != new_files.get(key)
+    ]
+    return "made with other settings (" + "; ".join(found or ["another stamp"]) + ")"

@@ -283,7 +283,7 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
             if diff is not None
             else "",
             "",
-            f"Serve it: `{v['serve_command']}`",
+            f"Serve it from `results/{summary['run']}/`: `{v['serve_command']}`",
             "",
         ]
     if summary["problems"]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.errors import UserError
+from eagle3lib.lifetime import child_dies_with_me
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,15 +82,6 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[st
         raise UserError(f"vLLM at {url} did not answer: {exc}") from None
 
 
-def _die_with_parent() -> None:
-    """In the server's process: receive SIGTERM when the job that started it dies, even by
-    SIGKILL (Linux prctl PR_SET_PDEATHSIG), so a killed job never leaves a server behind."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class VllmServer:
     """An OpenAI-compatible vLLM server for the lifetime of a ``with`` block."""
 
@@ -125,7 +117,7 @@ class VllmServer:
             stderr=subprocess.STDOUT,
             env=self.env,
             start_new_session=True,  # its own group: stopped as a whole, workers included
-            preexec_fn=_die_with_parent,
+            preexec_fn=child_dies_with_me(),  # SIGTERM when the job dies, even by SIGKILL
         )
         try:
             self._wait_healthy()
@@ -269,6 +261,13 @@ def serve_command(verifier: str, checkpoint: str, k: int, trust_remote_code: boo
     spec = json.dumps({"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k})
     trust = " --trust-remote-code" if trust_remote_code else ""
     return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(spec)}"
+
+
+def from_folder(path: str, folder: str | os.PathLike) -> str:
+    """A relative local path as seen from ``folder`` (hub ids and absolute paths as they are)."""
+    if os.path.isabs(path) or not os.path.exists(path):
+        return path
+    return os.path.relpath(path, folder)
 
 
 def reference_greedy(

@@ -732,11 +732,13 @@ def build_draft(
 ):
     """Eagle3DraftModel exactly as speculators' CLI builds it for eagle3.
 
-    speculators takes the shape, vocab size and the embeddings/final norm/LM head from the
-    language model of the verifier (``text_config``, ``*embed_tokens``/``*lm_head`` weights)."""
+    speculators takes the shape and vocab size from the language model of the verifier
+    (``text_config``); its embeddings, final norm and LM head are the tensors resolved from the
+    verifier's architecture (``lm_weights``), not speculators' suffix search."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
+    from eagle3lib.lm_weights import speculators_reads
     from eagle3lib.verifier import load_config
 
     load_config(record)  # a trusted custom-code config must be readable without the flag
@@ -752,21 +754,27 @@ def build_draft(
             full_attention_indices=list(cfg.full_attention_layers),
             trust_remote_code=record["trust_remote_code"],
         )
-    return Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config,
-        t2d=vocab_map["t2d"],
-        d2t=vocab_map["d2t"],
-        verifier_name_or_path=verifier,
-        target_layer_ids=aux,
-        draft_vocab_size=cfg.draft_vocab_size,
-        norm_before_residual=cfg.norm_before_residual,
-        norm_before_fc=cfg.norm_before_fc,
-        norm_output=cfg.norm_output,
-        fc_norm=False,
-        ttt_steps=cfg.ttt_steps,
-        draft_attn_impl=attention,
-        trust_remote_code=record["trust_remote_code"],
-    )
+    with speculators_reads(record):
+        model = Eagle3DraftModel.from_training_args(
+            verifier_config=layer_config,
+            t2d=vocab_map["t2d"],
+            d2t=vocab_map["d2t"],
+            verifier_name_or_path=verifier,
+            target_layer_ids=aux,
+            draft_vocab_size=cfg.draft_vocab_size,
+            norm_before_residual=cfg.norm_before_residual,
+            norm_before_fc=cfg.norm_before_fc,
+            norm_output=cfg.norm_output,
+            fc_norm=False,
+            ttt_steps=cfg.ttt_steps,
+            draft_attn_impl=attention,
+            trust_remote_code=record["trust_remote_code"],
+        )
+    # The trainer's saved configs name the verifier portably (as the exported checkpoint
+    # does), never a path into the run folder (a GGUF verifier's converted copy).
+    model.config.speculators_config.verifier.name_or_path = record["name"]
+    model.config.transformer_layer_config._name_or_path = ""  # noqa: SLF001
+    return model
 
 
 def save_state_losslessly(checkpointer) -> None:

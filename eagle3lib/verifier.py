@@ -16,7 +16,7 @@ from typing import Any
 
 from eagle3lib.config import PACKAGE_PREFIX, resolve_package_path
 from eagle3lib.errors import UserError
-from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
+from eagle3lib.fileio import atomic_path, read_json, sha256_bytes, sha256_file, sha256_json
 
 # Hash weight files in full up to this total size; above it hash the safetensors headers
 # (tensor names, dtypes, shapes, offsets) and file sizes, which is fast for terabyte models.
@@ -176,6 +176,9 @@ def materialize(
             raise UserError(f"verifier {path!r}: no weight files (*.safetensors) found")
         weights = weights_checksum(safetensors or pickles)
 
+    from eagle3lib import lm_weights
+
+    lm = lm_weights.resolve(path, load_path, kind, config, trust_remote_code, allow_pickle)
     tc = text_config(config)
     config_dict = json.loads(config.to_json_string(use_diff=False))
     config_dict.pop("_name_or_path", None)
@@ -195,6 +198,7 @@ def materialize(
         "trust_remote_code": trust_remote_code,
         "custom_code": custom_code,  # its own (trusted) code, not transformers', builds it
         "allow_pickle": allow_pickle,
+        "lm_weights": lm,  # checkpoint keys of the language model's embeddings, LM head, norm
     }
 
 
@@ -217,6 +221,26 @@ def planning_shape(spec: str, record_path: Path) -> tuple[int, int] | None:
         return int(text["hidden_size"]), int(text["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # the verifier job reports a bad config in one line
+
+
+def portable(record: dict[str, Any], record_path: Path) -> dict[str, Any]:
+    """The record as verifier.json holds it: a load path inside the record's own folder (the
+    HF folder converted from a GGUF) relative to that folder, so that a copied or renamed run
+    folder refers to its own copy."""
+    load_path = Path(record["load_path"])
+    folder = Path(record_path).parent
+    if record["kind"] != "gguf" or not load_path.resolve().is_relative_to(folder.resolve()):
+        return record
+    relative = str(load_path.resolve().relative_to(folder.resolve()))
+    return {**record, "load_path": relative, "load_path_relative": True}
+
+
+def read_record(path: str | os.PathLike) -> dict[str, Any]:
+    """verifier.json, with a load path relative to its folder resolved (see ``portable``)."""
+    record = read_json(path)
+    if record.pop("load_path_relative", False):
+        record["load_path"] = str(Path(path).parent / record["load_path"])
+    return record
 
 
 def identity(record: dict[str, Any]) -> dict[str, Any]:

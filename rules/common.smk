@@ -9,6 +9,8 @@ sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
+from eagle3lib.provenance import stale_reason  # noqa: E402
+from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
 from eagle3lib.verifier import is_local, planning_shape  # noqa: E402
 
@@ -116,9 +118,12 @@ if workflow.is_main_process:
     print_disk_estimate()
 
 
+# Every rule's command starts with `exec`: it replaces the shell snakemake starts it in, so the
+# job's process is snakemake's own child and, by its parent-death signal, ends with it
+# (eagle3lib/lifetime.py).
 # Rules without a GPU resource hide the GPUs from their command: a job that initialised CUDA on
 # its own would use a device another job leased (and show in that job's NVML record as a leak).
-CPU_ONLY = "CUDA_VISIBLE_DEVICES= "
+CPU_ONLY = "CUDA_VISIBLE_DEVICES= exec "
 
 
 def section(name, drop=("gpus", "gpus_per_job")):
@@ -174,6 +179,7 @@ PROVENANCE = {
     "evaluate": provenance("reports", "evaluate"),
     "serve_check": provenance("reports", "serve_check"),
 }
+REPORT_PROVENANCE = provenance("reports", "report")  # not an input of the report itself
 
 
 def vllm_python():
@@ -325,3 +331,115 @@ def final_targets():
         *shard_manifests(),
         *([VLLM_ACCEPTANCE] if serve_check_enabled() else []),
     ]
+
+
+# ---- stamps: what made each job's artifacts, checked when the workflow plans -----------------
+
+
+def eval_specs():
+    """{config key: eval set} of data.eval and data.extra_eval, as configured."""
+    data = config["data"]
+    specs = {"data.eval": data["eval"]}
+    specs.update({f"data.extra_eval[{i}]": e for i, e in enumerate(data["extra_eval"])})
+    return specs
+
+
+def stamp(job):
+    """What decides the artifacts of ``job`` (canonical JSON): its config subset and the
+    fingerprints of the files from outside the run it reads. The job records it in its
+    provenance; planning compares it (forget_stale_artifacts)."""
+    evals = dict(zip([f"{k}.path" for k in eval_specs()], eval_files()))
+    train_data = {"data.train.path": data_file("train")}
+    parts = {
+        "verifier": (
+            {"verifier": config["verifier"]},
+            {f"verifier.path {Path(f).name}": f for f in verifier_inputs(None)},
+        ),
+        "regenerate": (
+            {
+                "data": json.loads(regenerate_data()),
+                "regenerate": json.loads(
+                    section("regenerate", drop=("gpus", "enabled", "workers"))
+                ),
+                "vllm": json.loads(section("vllm")),
+            },
+            train_data,
+        ),
+        "prepare": (
+            {"data": json.loads(prepare_section())},
+            {**({} if regenerate_enabled() else train_data), **evals},
+        ),
+        "extract": (
+            {
+                "extract": json.loads(section("extract")),
+                "vllm": json.loads(extract_engine()["engine"]),
+            },
+            {},
+        ),
+        "vocab": (
+            {"train": {"draft_vocab_size": config["train"]["draft_vocab_size"]}},
+            {},
+        ),
+        "train": ({"train": json.loads(section("train"))}, {}),
+        "check_checkpoint": ({}, {}),
+        "evaluate": (
+            {"evaluate": json.loads(section("evaluate")), "eval_sets": eval_specs()},
+            evals,
+        ),
+        "serve_check": (
+            {
+                "evaluate": json.loads(serve_check_evaluate()),
+                "vllm": json.loads(section("vllm")),
+                "data.eval": {
+                    k: config["data"]["eval"][k] for k in ("path", "max_prompts")
+                },
+            },
+            {"data.eval.path": evals["data.eval.path"]},
+        ),
+        "report": ({"run": RUN}, {}),
+    }
+    return make_stamp(*parts[job])
+
+
+def stamped_records():
+    """{job: its provenance records} of the jobs this config runs."""
+    jobs = {job: [path] for job, path in PROVENANCE.items() if job != "extract"}
+    jobs["extract"] = expand(PROVENANCE["extract"], shard=range(N_SHARDS))
+    jobs["report"] = [REPORT_PROVENANCE]
+    if not serve_check_enabled():
+        jobs.pop("serve_check")
+    if not regenerate_enabled():
+        jobs.pop("regenerate")
+    return jobs
+
+
+def forget_stale_artifacts():
+    """Artifacts made with other settings or input files than this config's (results copied
+    without Snakemake's metadata, then the config changed) are made to rebuild: their
+    provenance record, one of the job's outputs, gets a timestamp of 1970, so every
+    input is newer and Snakemake reruns the job (and what depends on it) in any run that needs
+    it; the record's content stays. The verifier has no input that could be newer (its script
+    is ancient): a stale verifier.json is deleted and every other record made old, so the
+    verifier is rebuilt before anything that reads it."""
+    stale = []
+    records = stamped_records()
+    for job, paths in records.items():
+        current = stamp(job)
+        for record in paths:
+            reason = stale_reason(record, current)
+            if reason:
+                what = "it and everything after it" if job == "verifier" else job
+                print(
+                    f"warning: {record}: {reason}; rebuilding {what}", file=sys.stderr
+                )
+                stale.append(record)
+    if PROVENANCE["verifier"] in stale:
+        Path(VERIFIER).unlink(missing_ok=True)
+        stale = [r for paths in records.values() for r in paths if Path(r).exists()]
+    for record in stale:
+        os.utime(record, (1, 1))  # 0 would read as "no time" to Snakemake
+
+
+# Only the run that plans the DAG (as forget_damaged_shards).
+if workflow.is_main_process:
+    forget_stale_artifacts()

@@ -17,9 +17,10 @@ rule prepare:
         "../envs/train.yaml"
     params:
         data=prepare_section(),
+        stamp=stamp("prepare"),
     shell:
         CPU_ONLY
         + "python {input.script} --verifier {input.verifier} --train {input.train}"
         " --eval {input.eval} --data {params.data:q}"
         " --out-samples {output.samples} --out-info {output.info}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

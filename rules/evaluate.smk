@@ -13,11 +13,13 @@ rule check_checkpoint:
         log("check_checkpoint"),
     conda:
         "../envs/train.yaml"
+    params:
+        stamp=stamp("check_checkpoint"),
     shell:
         CPU_ONLY
         + "python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --out {output.report}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"
 
 
 rule evaluate:
@@ -45,14 +47,15 @@ rule evaluate:
         gpu=config["evaluate"]["gpus"],
     params:
         evaluate=section("evaluate"),
+        stamp=stamp("evaluate"),
         eval_sets=json.dumps(eval_sets()),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --eval-sets {params.eval_sets:q}"
         " --evaluate {params.evaluate:q}"
         " --threads {threads} --out {output.acceptance}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"
 
 
 rule serve_check:
@@ -79,15 +82,16 @@ rule serve_check:
         gpu=config["serve_check"]["gpus"],
     params:
         evaluate=serve_check_evaluate(),
+        stamp=stamp("serve_check"),
         engine=section("vllm"),
         python=vllm_python(),
         max_prompts=config["data"]["eval"]["max_prompts"] or 0,
         server_log=log("serve_check-server"),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
         " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
         " --prompts {input.prompts} --max-prompts {params.max_prompts}"
         " --evaluate {params.evaluate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --server-log {params.server_log}"
         " --out {output.acceptance}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

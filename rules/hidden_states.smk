@@ -22,13 +22,14 @@ rule extract:
         gpu=config["extract"]["gpus_per_job"],
     params:
         extract=section("extract"),
+        stamp=stamp("extract"),
         engine=extract_engine()["engine"],
         python=extract_engine()["python"],
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --samples {input.samples}"
         " --info {input.info} --shard {wildcards.shard} --extract {params.extract:q}"
         " --threads {threads} --out-shard {output.shard} --out-manifest {output.manifest}"
         " --vllm {params.engine:q} --vllm-python {params.python}"
-        " --provenance {output.provenance}"
+        " --provenance {output.provenance} --stamp {params.stamp:q}"
         " > {log} 2>&1"

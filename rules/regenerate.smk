@@ -22,16 +22,17 @@ rule regenerate:
         workers=config["regenerate"]["workers"],
     params:
         data=regenerate_data(),
+        stamp=stamp("regenerate"),
         regenerate=section("regenerate", drop=("gpus", "enabled", "workers")),
         engine=section("vllm"),
         python=vllm_python(),
         work=REGENERATE_WORK,
         server_log=log("regenerate-server"),
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --train {input.train}"
         " --data {params.data:q} --regenerate {params.regenerate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --work-dir {params.work}"
         " --server-log {params.server_log} --threads {threads} --workers {resources.workers}"
         " --out {output.conversations} --out-info {output.info}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

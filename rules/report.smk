@@ -10,14 +10,16 @@ rule report:
         ),
         plot_loss=report(PLOT_LOSS, caption="report/loss.rst", category="Training"),
         tables=report(REPORT_TABLES, caption="report/tables.rst", category="Summary"),
+        provenance=REPORT_PROVENANCE,
     log:
         log("report"),
     conda:
         "../envs/train.yaml"
     params:
         run=RUN,
+        stamp=stamp("report"),
     shell:
-        "python {input.script} --run {params.run} --verifier {input.verifier}"
+        "exec python {input.script} --run {params.run} --verifier {input.verifier}"
         " --samples-info {input.samples_info} --manifests {input.manifests}"
         " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
@@ -25,7 +27,8 @@ rule report:
         " --vllm-acceptance {input.vllm_acceptance} --regenerated {input.regenerated}"
         " --out {output.summary} --out-markdown {output.markdown}"
         " --out-plot-acceptance {output.plot_acceptance} --out-plot-loss {output.plot_loss}"
-        " --out-tables {output.tables}"
+        " --out-tables {output.tables} --out-provenance {output.provenance}"
+        " --stamp {params.stamp:q}"
         " > {log} 2>&1"
 
 
@@ -41,4 +44,4 @@ rule validate:
     conda:
         "../envs/train.yaml"
     shell:
-        "python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"
+        "exec python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"

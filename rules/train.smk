@@ -28,14 +28,15 @@ rule train:
         gpu=config["train"]["gpus"],
     params:
         train=section("train"),
+        stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
-        "python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu}"
+        " --log {log} --echo 'train: step .*' --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
         " --threads {threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
-        " --provenance {output.provenance} 2>&1 | tee {log}"
-        " | {{ grep --line-buffered -o 'train: step .*' || test $? = 1; }}"
+        " --provenance {output.provenance} --stamp {params.stamp:q}"

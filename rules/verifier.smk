@@ -14,8 +14,9 @@ rule verifier:
         "../envs/train.yaml"
     params:
         verifier=section("verifier"),
+        stamp=stamp("verifier"),
         hf_dir=VERIFIER_HF,
     shell:
         CPU_ONLY
         + "python {input.script} --verifier {params.verifier:q} --hf-dir {params.hf_dir}"
-        " --out {output.record} --provenance {output.provenance} > {log} 2>&1"
+        " --out {output.record} --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

@@ -15,8 +15,9 @@ rule vocab:
         "../envs/train.yaml"
     params:
         draft_vocab_size=config["train"]["draft_vocab_size"],
+        stamp=stamp("vocab"),
     shell:
         CPU_ONLY + "python {input.script} --samples {input.samples}"
         " --draft-vocab-size {params.draft_vocab_size}"
         " --out-map {output.vocab_map} --out-info {output.info}"
-        " --provenance {output.provenance} > {log} 2>&1"
+        " --provenance {output.provenance} --stamp {params.stamp:q} > {log} 2>&1"

@@ -9,7 +9,8 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import EvaluateConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json, write_json
-from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
+from eagle3lib.verifier import read_record
 
 
 @cli
@@ -25,7 +26,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
+    hold_folders("evaluate", a.out, a.provenance)
 
     import torch
 
@@ -48,7 +51,7 @@ def main() -> None:
         for prompt in eval_set["prompts"]:
             prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
-    draft = checkpoint.load_draft(a.config.parent, record["load_path"], "sdpa", dtype).to(device)
+    draft = checkpoint.load_draft(a.config.parent, record, "sdpa", dtype).to(device)
     result = evaluate.evaluate(
         model,
         draft,
@@ -70,6 +73,7 @@ def main() -> None:
             {**json.loads(a.evaluate), "eval_sets": json.loads(a.eval_sets)},
             a.verifier,
             None,
+            stamp=a.stamp,
         )
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=2))
 

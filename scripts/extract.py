@@ -10,7 +10,8 @@ from eagle3lib.config import ExtractConfig, from_json
 from eagle3lib.data import load_samples
 from eagle3lib.errors import cli
 from eagle3lib.fileio import read_json
-from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
+from eagle3lib.verifier import read_record
 
 
 @cli
@@ -27,7 +28,9 @@ def main() -> None:
     p.add_argument("--out-shard", type=Path, required=True)
     p.add_argument("--out-manifest", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
+    hold_folders(f"extract-{a.shard}", a.out_shard, a.out_manifest, a.provenance)
 
     import torch
 
@@ -52,7 +55,12 @@ def main() -> None:
         from eagle3lib import provenance
 
         provenance.write(
-            a.provenance, f"extract-{a.shard}", json.loads(a.extract), a.verifier, None
+            a.provenance,
+            f"extract-{a.shard}",
+            json.loads(a.extract),
+            a.verifier,
+            None,
+            stamp=a.stamp,
         )
     if stats["rejected"]:
         print(

@@ -4,6 +4,9 @@ import sys
 
 import _bootstrap  # noqa: F401
 from eagle3lib.gpu import main
+from eagle3lib.lifetime import die_with_parent
 
 if __name__ == "__main__":
+    if not die_with_parent():  # SIGTERM when snakemake dies; the wrapper then stops the job
+        sys.exit(128 + 15)
     sys.exit(main(["run", *sys.argv[1:]]))

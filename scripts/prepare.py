@@ -8,9 +8,9 @@ import _bootstrap  # noqa: F401
 from eagle3lib import data
 from eagle3lib.config import PrepareConfig, from_dict
 from eagle3lib.errors import cli
-from eagle3lib.fileio import read_json as read_record
 from eagle3lib.fileio import write_json
-from eagle3lib.verifier import load_tokenizer
+from eagle3lib.lifetime import hold_folders
+from eagle3lib.verifier import load_tokenizer, read_record
 
 
 @cli
@@ -25,7 +25,9 @@ def main() -> None:
     p.add_argument("--out-samples", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
+    hold_folders("prepare", a.out_samples, a.out_info, a.provenance)
     section = json.loads(a.data)
     cfg = from_dict(PrepareConfig, {**section, **section["train"]})
     record = read_record(a.verifier)
@@ -41,7 +43,7 @@ def main() -> None:
     if a.provenance:
         from eagle3lib import provenance
 
-        provenance.write(a.provenance, "prepare", section, a.verifier, None)
+        provenance.write(a.provenance, "prepare", section, a.verifier, None, stamp=a.stamp)
     print(json.dumps(prepared.summary, indent=2))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -25,21 +26,23 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     p.add_argument("--workers", type=int, default=1, help="data-parallel generate processes")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of --workers
     a = p.parse_args()
+    if a.worker is None:  # its workers write chunks of the job that holds the lock
+        hold_folders("regenerate", a.out, a.out_info, a.provenance)
 
     from eagle3lib import regenerate as rg
     from eagle3lib.config import from_dict
     from eagle3lib.data import check_chat_template, render_ids
-    from eagle3lib.fileio import read_json
-    from eagle3lib.verifier import load_tokenizer
+    from eagle3lib.verifier import load_tokenizer, read_record
 
     data = json.loads(a.data)
     section = json.loads(a.regenerate)
     cfg = from_dict(rg.RegenerateConfig, section)
     engine = json.loads(a.vllm)
-    record = read_json(a.verifier)
+    record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     check_chat_template(tokenizer, str(a.train))
     conversations = rg.read_conversations(
@@ -118,7 +121,7 @@ def main() -> None:
     if a.provenance:
         from eagle3lib import provenance
 
-        provenance.write(a.provenance, "regenerate", section, a.verifier, cfg.seed)
+        provenance.write(a.provenance, "regenerate", section, a.verifier, cfg.seed, stamp=a.stamp)
 
 
 if __name__ == "__main__":

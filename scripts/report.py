@@ -8,6 +8,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib import report
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, read_json, write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -31,7 +32,11 @@ def main() -> None:
     p.add_argument("--out-plot-acceptance", type=Path, required=True)
     p.add_argument("--out-plot-loss", type=Path, required=True)
     p.add_argument("--out-tables", type=Path, required=True, help="HTML tables for --report")
+    p.add_argument("--out-provenance", type=Path, help="write provenance-report.json here")
+    p.add_argument("--stamp", help="what made the report (JSON, from the rule)")
     a = p.parse_args()
+    outputs = (a.out, a.out_markdown, a.out_plot_acceptance, a.out_plot_loss, a.out_tables)
+    hold_folders("report", *outputs, a.out_provenance)
 
     prepare = read_json(a.samples_info)
     prepare.pop("ids", None)
@@ -69,6 +74,10 @@ def main() -> None:
     with atomic_path(a.out_tables) as tmp:
         tmp.write_text(report.html_tables(summary))
     write_json(a.out, summary)
+    if a.out_provenance:
+        from eagle3lib import provenance
+
+        provenance.write(a.out_provenance, "report", {"run": a.run}, a.verifier, stamp=a.stamp)
     print(
         json.dumps(
             {k: summary[k] for k in ("acceptance_length", "per_position_acceptance", "valid")},

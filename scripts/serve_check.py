@@ -13,6 +13,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import EvaluateConfig, from_dict
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -30,14 +31,16 @@ def main() -> None:
     p.add_argument("--server-log", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
+    hold_folders("serve_check", a.out, a.provenance)
 
     from transformers import AutoTokenizer
 
     from eagle3lib import data, serve
-    from eagle3lib.fileio import read_json
+    from eagle3lib.verifier import read_record
 
-    record = read_json(a.verifier)
+    record = read_record(a.verifier)
     evaluate = json.loads(a.evaluate)
     engine = json.loads(a.vllm)
     import torch
@@ -70,13 +73,24 @@ def main() -> None:
     import vllm
 
     result["vllm_version"] = vllm.__version__
+    # The command as run from the run folder (reports/ is one of its folders): it stays true
+    # for a copied or renamed run folder.
+    run_dir = a.out.parent.parent
+    result["serve_command"] = serve.serve_command(
+        serve.from_folder(record["load_path"], run_dir),
+        serve.from_folder(checkpoint, run_dir),
+        result["k"],
+        record["trust_remote_code"],
+    )
     write_json(a.out, result)
     print(json.dumps(result, indent=2))
-    print(f"serve the draft with:\n  {result['serve_command']}")
+    print(f"serve the draft from {run_dir} with:\n  {result['serve_command']}")
     if a.provenance:
         from eagle3lib import provenance
 
-        provenance.write(a.provenance, "serve_check", {**evaluate, **engine}, a.verifier, None)
+        provenance.write(
+            a.provenance, "serve_check", {**evaluate, **engine}, a.verifier, None, stamp=a.stamp
+        )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
-from eagle3lib.fileio import read_json as read_record
+from eagle3lib.lifetime import hold_folders
+from eagle3lib.verifier import read_record
 
 
 def parse():
@@ -32,12 +33,15 @@ def parse():
     p.add_argument("--out-card", type=Path, required=True)
     p.add_argument("--out-summary", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     return p.parse_args()
 
 
 @cli
 def main() -> None:
     a = parse()
+    if "LOCAL_RANK" not in os.environ:  # a torchrun worker: the lock is torchrun's (inherited)
+        hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)
     processes = a.processes if a.processes is not None else a.gpus
     if processes > 1 and "LOCAL_RANK" not in os.environ:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -68,12 +72,16 @@ def main() -> None:
     stats["epochs"] = cfg.epochs
     with atomic_path(a.out_card) as tmp:
         tmp.write_text(checkpoint.model_card(config, record, stats))
+    # relative to the summary's folder: true for a copied or renamed run folder
+    stats["final_epoch_dir"] = os.path.relpath(stats["final_epoch_dir"], a.out_summary.parent)
     summary = {**stats, "curves": train.loss_curves(train.read_metrics(metrics))}
     write_json(a.out_summary, summary)
     if a.provenance:
         from eagle3lib import provenance
 
-        provenance.write(a.provenance, "train", json.loads(a.train), a.verifier, cfg.seed)
+        provenance.write(
+            a.provenance, "train", json.loads(a.train), a.verifier, cfg.seed, stamp=a.stamp
+        )
     print(json.dumps({k: v for k, v in summary.items() if k != "curves"}, indent=2))
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.errors import UserError, cli
 from eagle3lib.fileio import atomic_path, read_json
+from eagle3lib.lifetime import hold_folders
 from eagle3lib.report import fmt
 
 
@@ -16,6 +17,7 @@ def main() -> None:
     p.add_argument("--summary", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
+    hold_folders("validate", a.out)
     summary = read_json(a.summary)
     if summary["problems"]:
         for problem in summary["problems"]:

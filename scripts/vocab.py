@@ -9,6 +9,7 @@ from eagle3lib import vocab
 from eagle3lib.data import load_samples
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.lifetime import hold_folders
 
 
 @cli
@@ -19,7 +20,9 @@ def main() -> None:
     p.add_argument("--out-map", type=Path, required=True)
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
+    p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     a = p.parse_args()
+    hold_folders("vocab", a.out_map, a.out_info, a.provenance)
     freq = load_samples(a.samples).token_freq
     d2t, t2d = vocab.build(freq, a.draft_vocab_size)
     vocab.save(a.out_map, d2t, t2d)
@@ -29,7 +32,12 @@ def main() -> None:
         from eagle3lib import provenance
 
         provenance.write(
-            a.provenance, "vocab", {"draft_vocab_size": a.draft_vocab_size}, None, None
+            a.provenance,
+            "vocab",
+            {"draft_vocab_size": a.draft_vocab_size},
+            None,
+            None,
+            stamp=a.stamp,
         )
     print(json.dumps(info, indent=2))
 

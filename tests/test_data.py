@@ -119,6 +119,8 @@ def test_non_utf8_file_is_a_clear_error(tmp_path):
         ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role"),
         ({"messages": [{"role": "user", "content": "  "}]}, "empty content"),
         ({"messages": "hello"}, "not a list"),
+        ({"conversations": []}, "no turns"),
+        ({"messages": []}, "no turns"),
         ([1, 2], "not a JSON object"),
     ],
 )
@@ -136,9 +138,14 @@ def test_prepare_counts_drops_and_token_frequencies(tokenizer, tmp_path):
     records = tiny.conversations(6, fmt="openai")
     records.insert(2, {"messages": [{"role": "user", "content": "only a question"}]})
     records.insert(4, {"messages": [{"role": "user", "content": ""}]})
+    records.insert(5, {"id": "empty", "conversations": []})
     prepared = prepare(tokenizer, tmp_path, records, on_invalid_record="skip")
     assert prepared.summary["samples"] == 6
-    assert prepared.summary["dropped"] == {"invalid: empty content": 1, "no_assistant_turn": 1}
+    assert prepared.summary["dropped"] == {
+        "invalid: empty content": 1,
+        "invalid: no turns": 1,
+        "no_assistant_turn": 1,
+    }
     supervised = np.concatenate(
         [
             ids[m.astype(bool)]
@@ -160,6 +167,15 @@ def test_invalid_record_is_fatal_by_default(tokenizer, tmp_path):
     ]
     with pytest.raises(UserError, match=r"train\.jsonl:3: unknown role .*on_invalid_record: skip"):
         prepare(tokenizer, tmp_path, records)
+
+
+def test_record_without_turns_is_invalid_not_silently_dropped(tokenizer, tmp_path):
+    """`conversations: []` follows data.on_invalid_record like any other invalid record."""
+    records = [*tiny.conversations(2), {"id": "x", "conversations": []}]
+    with pytest.raises(UserError) as err:
+        prepare(tokenizer, tmp_path, records)
+    assert str(err.value).startswith(f"{tmp_path / 'train.jsonl'}:3: no turns")
+    assert "on_invalid_record: skip" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_max_length_truncates_or_drops(tokenizer, tmp_path):

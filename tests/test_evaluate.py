@@ -11,9 +11,7 @@ AUX = [2, 4, 5]
 
 @pytest.fixture(scope="module")
 def draft(pipeline):
-    return checkpoint.load_draft(
-        pipeline["checkpoint"], pipeline["record"]["load_path"], "sdpa", torch.float32
-    )
+    return checkpoint.load_draft(pipeline["checkpoint"], pipeline["record"], "sdpa", torch.float32)
 
 
 def test_acceptance_stats_follow_vllm_definitions():
@@ -46,6 +44,77 @@ def test_first_proposal_matches_speculators_training_alignment(pipeline, draft, 
     for n in (5, 17, n_real - 1):
         [p] = drafter.propose(aux[:n], ids[: n + 1], 1)
         assert p == int(drafter.to_verifier_ids(tokens[0, n - 1]))
+
+
+def draft_logits(draft, run):
+    """(result of ``run()``, the draft's LM-head output at the last position of every pass)."""
+    rows = []
+    hook = draft.lm_head.register_forward_hook(lambda m, args, out: rows.append(out[0]))
+    try:
+        return run(), rows
+    finally:
+        hook.remove()
+
+
+def reference_logits(draft, aux, tokens, proposals):
+    """What speculators' own forward computes at the newest position when the draft's earlier
+    proposals are fed back (teacher forcing with its own tokens): one pass of len(proposals)
+    TTT steps, the way the decode loop ran the draft before it was incremental."""
+    k, n = len(proposals), aux.shape[0]
+    hidden = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
+    forced = torch.cat([tokens, torch.tensor(proposals[:-1], dtype=tokens.dtype)])
+    _, rows = draft_logits(draft, lambda: evaluate.Drafter(draft).predict_all(hidden, forced, k))
+    return torch.stack([r[n - 1] for r in rows])
+
+
+def sample_states(pipeline):
+    ds = train.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
+    sample = ds.shards[0].sample(0)
+    return sample["hidden_states"][:, :-1].flatten(1).float(), sample["input_ids"].long()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_incremental_proposals_equal_speculators_forward(pipeline, draft, window):
+    """The incremental drafter (its own KV cache across calls, one pass per proposal) computes
+    the logits of speculators' forward, also with a sliding window shorter than the context."""
+    import copy
+
+    if window is not None:
+        draft = copy.deepcopy(draft)
+        draft.sliding_window, draft.sliding_window_indices = window, [0]
+        draft.uses_sliding_window_attn, draft.uses_full_attn = True, False
+    aux, ids = sample_states(pipeline)
+    drafter = evaluate.Drafter(draft)
+    seen = set()
+    for n in (5, 9, 10, 17, 30):  # one prompt that grows, as accepted tokens arrive
+        proposals, rows = draft_logits(draft, lambda n=n: drafter.propose(aux[:n], ids[: n + 1], 4))
+        got = torch.stack([r[-1] for r in rows])
+        want = reference_logits(draft, aux[:n], ids[: n + 1], proposals)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert [int(drafter.to_verifier_ids(i)) for i in want.argmax(-1)] == proposals
+        seen.add(tuple(proposals))
+    assert len(seen) > 1  # different contexts, different proposals
+    drafter.propose(aux[:3], ids[:4], 2)  # another (shorter) sequence starts over
+    assert drafter.propose(aux[:12], ids[:13], 3) == evaluate.Drafter(draft).propose(
+        aux[:12], ids[:13], 3
+    )
+
+
+def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
+    """One pass over the positions new since the last call, then one single-position pass per
+    further proposal (was k(k+1)/2 passes over the whole context)."""
+    aux, ids = sample_states(pipeline)
+    lengths = []
+    hook = draft.layers[0].register_forward_hook(lambda m, args, out: lengths.append(out.shape[1]))
+    try:
+        drafter = evaluate.Drafter(draft)
+        drafter.propose(aux[:10], ids[:11], 5)
+        assert lengths == [10, 1, 1, 1, 1]
+        lengths.clear()
+        drafter.propose(aux[:13], ids[:14], 5)  # three tokens accepted since
+        assert lengths == [3, 1, 1, 1, 1]
+    finally:
+        hook.remove()
 
 
 def prompts(tokenizer, n=3):
@@ -131,7 +200,7 @@ def test_bf16_evaluation_runs_the_draft_in_its_own_dtype(pipeline, verifier_mode
     import copy
 
     draft = checkpoint.load_draft(
-        pipeline["checkpoint"], pipeline["record"]["load_path"], "sdpa", torch.bfloat16
+        pipeline["checkpoint"], pipeline["record"], "sdpa", torch.bfloat16
     )
     model = copy.deepcopy(verifier_model).to(torch.bfloat16)
     result = evaluate.evaluate(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import tiny
-from conftest import ROOT, executed_jobs, regenerate_command, run_snakemake
+from conftest import ROOT, alive, executed_jobs, regenerate_command, run_snakemake, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -245,6 +245,38 @@ def test_killed_workflow_reruns_to_the_same_bytes(extraction):
     assert_shards_as_uninterrupted(results, reference)
 
 
+def test_a_rerun_refuses_while_an_orphan_writes_the_shard(extraction):
+    """A process that holds shard 1's writer lock (what an orphaned extract job of an earlier
+    run would hold; simulated by a process taking the same lock, as no job survives its
+    snakemake now): the rerun's extract job stops with one line naming that process, and
+    touches nothing the holder writes; once the holder is gone the rerun builds the shard."""
+    root, config, results, targets, reference, _job = extraction
+    run_snakemake(root, config, *targets)  # whatever the trials left: complete
+    for name in ("shard-1.safetensors", "shard-1.json"):
+        (results / name).unlink()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; sys.path.insert(0, sys.argv[1]);"
+         " from eagle3lib.lifetime import hold_folders;"
+         " hold_folders('extract-1', sys.argv[2]); print('held', flush=True); time.sleep(600)",
+         str(ROOT), str(results / "shard-1.safetensors")],
+        stdout=subprocess.PIPE, text=True, cwd=root,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = run_snakemake(root, config, *targets, check=False)
+        assert refused.returncode != 0
+        log = (results.parent / "logs" / "extract-1.log").read_text().strip().splitlines()
+        assert log[-1].startswith(f"error: {results.relative_to(root)}: another extract-1 job")
+        assert f"(pid {holder.pid} on " in log[-1] and "Traceback" not in "".join(log)
+        assert not (results / "shard-1.safetensors").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    run_snakemake(root, config, *targets)
+    assert_shards_as_uninterrupted(results, reference)
+
+
 def test_truncated_shard_is_rebuilt_not_trained_on(extraction):
     """A shard cut short after it was built (disk trouble, a bad copy) no longer matches its
     manifest: the next run rebuilds that shard, and only that one."""
@@ -258,6 +290,54 @@ def test_truncated_shard_is_rebuilt_not_trained_on(extraction):
     assert "shard-1.safetensors" in out and "rebuilding shard 1" in out
     assert [j for j in executed_jobs(out) if j.startswith("extract")] == ["extract[shard=1]"]
     assert shard.read_bytes() == reference["shard-1.safetensors"]
+
+
+# ---- snakemake's whole process group killed: no job outlives it ---------------------------
+
+
+def job_processes(root: int, script: str) -> list[int]:
+    """Processes below ``root`` that run scripts/<script> (not the GPU wrapper naming it)."""
+    found = []
+    for pid in descendants(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[1].decode().endswith(f"scripts/{script}") and alive(pid):
+            found.append(pid)
+    return found
+
+
+def test_killing_snakemakes_process_group_leaves_no_job_running(tmp_path, verifier_dir):
+    """kill -9 of snakemake's process group (a scheduler, a lost login shell) while an
+    extract, a train and an evaluate job runs: within seconds none of the processes snakemake
+    had started is left (the jobs run in their own sessions, outside that group)."""
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(40, seed=2))
+    prompts = [{"question_id": i, "turns": [f"Tell me about {w}"]} for i, w in enumerate("abc")]
+    evals = tiny.write_jsonl(tmp_path / "eval.jsonl", prompts)
+    config = tiny.write_config(
+        tmp_path / "config.yaml", "t", verifier_dir, train, evals,
+        train={"epochs": 4}, evaluate={"k": 3, "max_new_tokens": 40},
+    )  # fmt: skip
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
+           "--cores", "2", "--workflow-profile", "none", "--rerun-incomplete",
+           "--configfile", str(config)]  # fmt: skip
+    for script in ("extract.py", "train.py", "evaluate.py"):
+        snakemake = start(cmd, cwd=tmp_path)
+        pid = snakemake.pid
+        assert wait_until(lambda s=script, p=pid: job_processes(p, s), 300), script
+        time.sleep(1.0)  # past its start-up
+        tree = descendants(pid)
+        [job] = job_processes(pid, script)
+        argv = Path(f"/proc/{job}/cmdline").read_bytes().decode().split("\0")
+        last_output = tmp_path / argv[argv.index("--provenance") + 1]  # written last
+        os.killpg(pid, signal.SIGKILL)
+        snakemake.wait()
+        assert wait_until(lambda t=tree: not [p for p in t if alive(p)], 10), (
+            f"{script}: still running: {[p for p in tree if alive(p)]}"
+        )
+        assert not last_output.exists(), f"{script} was not stopped: it finished"
+        run_snakemake(tmp_path, config, "--unlock")
 
 
 # ---- training: the train job killed mid-epoch --------------------------------------------------
@@ -340,7 +420,7 @@ def test_killed_training_resumes_mid_epoch_to_the_same_bytes(pipeline, tmp_path)
         if had_checkpoint[seed]:  # continued from it: fewer steps than a whole run
             assert train_records(work) - steps_before[seed] < total_steps
         assert (work / "checkpoint" / "model.safetensors").read_bytes() == reference, seed
-        final = Path(json.loads((work / "summary.json").read_text())["final_epoch_dir"])
+        final = work / json.loads((work / "summary.json").read_text())["final_epoch_dir"]
         global_step = json.loads((final / "training_state.json").read_text())["global_step"]
         assert global_step == total_steps and step_counters(final) == {float(total_steps)}
         states = work / "state"

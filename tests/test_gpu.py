@@ -158,3 +158,17 @@ def test_job_that_leaves_a_process_behind_is_recorded_and_stopped(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("stray process still running")
+
+
+def test_job_output_goes_to_its_log_and_matching_lines_to_the_terminal(tmp_path, capfd):
+    code = "import sys; print('loading'); print('\\rbar train: step 3/9, 12 tokens/s'); sys.stderr.write('oops\\n')"
+    rc = gpu.main(
+        ["run", "--record", str(tmp_path / "r.json"), "--rule", "t",
+         "--lock-dir", str(tmp_path / "locks"), "--log", str(tmp_path / "job.log"),
+         "--echo", "train: step .*", "--", sys.executable, "-c", code]
+    )  # fmt: skip
+    assert rc == 0
+    log = (tmp_path / "job.log").read_text()
+    assert "loading\n" in log and "train: step 3/9" in log and "oops\n" in log
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["train: step 3/9, 12 tokens/s"]

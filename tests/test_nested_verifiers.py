@@ -116,8 +116,10 @@ def test_capture_equals_one_sample_hf_forward_with_pre_norm_last_layer(nested):
     assert (last - ref[-1][0]).abs().max() > 0.1
 
 
-def test_extract_train_check_and_evaluate(nested, tmp_path):
-    kind, record, model, tokenizer = nested
+def extract_and_train(record, tokenizer, tmp_path, name):
+    """Prepared samples, one shard, a vocab map, one epoch of training and the exported
+    checkpoint of a nested verifier (seeded: the same verifier tensors give the same bytes)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(12, seed=5))
     prepared = data.prepare_samples(tokenizer, path, PrepareConfig(max_length=96))
     data.save_prepared(prepared, tmp_path / "samples.safetensors", record["vocab_size"])
@@ -125,6 +127,24 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
     shard, manifest = tmp_path / "shard-0.safetensors", tmp_path / "shard-0.json"
     hidden_states.extract_shard(
         samples, prepared.ids, 0, ExtractConfig(shards=1, batch_tokens=384), record, shard, manifest
+    )
+    d2t, t2d = vocab.build(samples.token_freq, 256)
+    cfg = TrainConfig(
+        epochs=1, total_seq_len=256, draft_vocab_size=256, optimizer="adamw", lr=3e-3, seed=0
+    )
+    stats = train.train(
+        cfg, record, [shard], [manifest], {"d2t": d2t, "t2d": t2d}, tmp_path / "s", tmp_path / "m"
+    )
+    out = tmp_path / "checkpoint"
+    config = checkpoint.export(Path(stats["final_epoch_dir"]), out, name)
+    return {"shard": shard, "manifest": manifest, "t2d": t2d, "config": config, "checkpoint": out}
+
+
+def test_extract_train_check_and_evaluate(nested, tmp_path):
+    kind, record, model, tokenizer = nested
+    run = extract_and_train(record, tokenizer, tmp_path, kind)
+    shard, manifest, t2d, config, out = (
+        run[k] for k in ("shard", "manifest", "t2d", "config", "checkpoint")
     )
     assert read_json(manifest)["layer_ids"] == [*AUX, 8]
     assert read_json(manifest)["hidden_size"] == 64
@@ -141,15 +161,6 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
             torch.testing.assert_close(got[:, slot], ref[k][0], rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(norm(got[:, -1]), ref[-1][0], rtol=5e-2, atol=5e-2)
 
-    d2t, t2d = vocab.build(samples.token_freq, 256)
-    cfg = TrainConfig(
-        epochs=1, total_seq_len=256, draft_vocab_size=256, optimizer="adamw", lr=3e-3, seed=0
-    )
-    stats = train.train(
-        cfg, record, [shard], [manifest], {"d2t": d2t, "t2d": t2d}, tmp_path / "s", tmp_path / "m"
-    )
-    out = tmp_path / "checkpoint"
-    config = checkpoint.export(Path(stats["final_epoch_dir"]), out, kind)
     assert config["transformer_layer_config"]["hidden_size"] == 64
     assert config["transformer_layer_config"]["vocab_size"] == record["vocab_size"]
     # check() reloads the draft with speculators, which reads a custom-code verifier's config
@@ -158,7 +169,7 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
     assert checked["valid"], checked["problems"]
 
     # The draft's verifier-derived weights are the language model's (bf16 in the checkpoint).
-    draft = checkpoint.load_draft(out, record["load_path"], "sdpa", torch.float32)
+    draft = checkpoint.load_draft(out, record, "sdpa", torch.float32)
     lm_head = model.get_output_embeddings().weight
     pairs = [
         (draft.embed_tokens.weight, model.get_input_embeddings().weight),
@@ -184,3 +195,42 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
     assert [replayed[k] for k in ("steps", "accepted_tokens")] == [
         result[k] for k in ("steps", "accepted_tokens")
     ]
+
+
+@pytest.mark.slow
+def test_a_vision_tensor_named_like_the_embeddings_is_never_trained_on(tmp_path):
+    """A multimodal checkpoint with a vision weight whose name ends in embed_tokens.weight and
+    is shorter than the language model's (speculators' suffix search picks it): with the same
+    shape as the language model's embeddings, and with another shape. The draft is built from
+    the language model's tensors in both cases: the exported weights equal those of the same
+    verifier without the decoy, byte for byte, and its embed_tokens are the language model's."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    plain = tiny.build_qwen_vl_verifier(tmp_path / "tiny-qwen_vl")
+    folders = {"plain": plain}
+    noise = torch.Generator().manual_seed(3)
+    for name, rows in (("same_shape", None), ("other_shape", 7)):
+        folders[name] = tmp_path / f"tiny-qwen_vl-{name}"
+        shutil.copytree(plain, folders[name])
+        decoy = torch.randn(rows or 400, 64, generator=noise) * 3
+        tiny.edit_weights(folders[name], add={"model.visual.embed_tokens.weight": decoy})
+    exported = {}
+    for name, folder in folders.items():
+        record = verifier.materialize(str(folder), None, tmp_path / "hf")
+        assert record["lm_weights"]["embed_tokens"]["key"] == (
+            "model.language_model.embed_tokens.weight"
+        )
+        tokenizer = verifier.load_tokenizer(record)
+        run = extract_and_train(record, tokenizer, tmp_path / name, "qwen_vl")
+        exported[name] = (run["checkpoint"] / "model.safetensors").read_bytes()
+    assert exported["same_shape"] == exported["plain"] == exported["other_shape"]
+    model = verifier.load_model(record, torch.float32)
+    weights = load_file(str(run["checkpoint"] / "model.safetensors"))
+    lm_embed = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    assert torch.equal(weights["embed_tokens.weight"], lm_embed)
+    decoy = load_file(str(folders["same_shape"] / "model.safetensors"))
+    assert not torch.equal(
+        weights["embed_tokens.weight"], decoy["model.visual.embed_tokens.weight"].to(torch.bfloat16)
+    )

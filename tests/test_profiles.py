@@ -211,6 +211,8 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
         (work / path).touch()
         if re.search(r"hidden_states/shard-\d+\.json$", path):  # describes the empty shard,
             (work / path).write_text('{"file": {"bytes": 0}}')  # else it would be rebuilt
+        if re.search(r"/provenance-[\w-]+\.json$", path):  # a record without a stamp (an
+            (work / path).write_text("{}")  # unreadable one marks its artifacts stale)
 
     proc = snakemake(
         work,

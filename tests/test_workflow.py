@@ -146,6 +146,62 @@ def test_copied_results_are_not_rebuilt(ws, tmp_path):
     assert "Nothing to be done" in out, out
 
 
+def test_a_moved_run_rebuilds_what_a_changed_config_makes_stale(ws, tmp_path):
+    """The README's move (`cp -a`) takes no Snakemake metadata along. After a change of
+    train.epochs the stamps in the provenance records still say what is stale: training and
+    what follows it are rebuilt (also when only the checkpoint is asked for), nothing before."""
+    import subprocess
+
+    import yaml
+
+    copy = tmp_path / "moved"
+    copy.mkdir()
+    subprocess.run(["cp", "-a", str(ws.dir / "results"), str(copy / "results")], check=True)
+    config = yaml.safe_load(ws.config.read_text())
+    epochs = config["train"]["epochs"]
+    config["train"]["epochs"] = epochs + 1
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    plan = run_snakemake(copy, copy / "config.yaml", "--dry-run")
+    said = plan.stdout + plan.stderr
+    assert f"(train.epochs: {epochs} -> {epochs + 1}); rebuilding train" in said, said
+    assert set(job_counts(said)) == {
+        "train", "check_checkpoint", "evaluate", "report", "validate", "all"
+    }  # fmt: skip
+    results = copy / "results" / "t"
+    run_snakemake(copy, copy / "config.yaml", "results/t/checkpoint/model.safetensors")
+    record = json.loads((results / "checkpoint" / "provenance-train.json").read_text())
+    assert record["config"]["epochs"] == epochs + 1
+    weights = "checkpoint/model.safetensors"
+    assert (results / weights).read_bytes() != (ws.results / weights).read_bytes()
+    plan = run_snakemake(copy, copy / "config.yaml", "--dry-run")  # trained: what follows
+    said = plan.stdout + plan.stderr
+    assert "warning" not in said
+    assert set(job_counts(said)) == {"check_checkpoint", "evaluate", "report", "validate", "all"}
+
+
+def test_a_renamed_run_folder_refers_only_to_itself(ws, tmp_path):
+    """results/t copied to results/t2 (and the config's run renamed): only the report, which
+    names the run, is rebuilt, and no file of the new run folder names the old one."""
+    import subprocess
+
+    import yaml
+
+    (tmp_path / "results").mkdir()
+    subprocess.run(["cp", "-a", str(ws.results), str(tmp_path / "results" / "t2")], check=True)
+    config = yaml.safe_load(ws.config.read_text())
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**config, "run": "t2"}))
+    done = run_snakemake(tmp_path, tmp_path / "config.yaml")
+    assert set(job_counts(done.stdout + done.stderr)) == {"report", "validate", "all"}
+    run = tmp_path / "results" / "t2"
+    assert json.loads((run / "reports" / "summary.json").read_text())["run"] == "t2"
+    naming_t = [
+        str(p.relative_to(run))
+        for p in run.rglob("*")
+        if p.is_file() and "logs" not in p.parts and b"results/t/" in p.read_bytes()
+    ]
+    assert naming_t == []  # logs record what ran, where it ran
+
+
 def test_html_report_has_the_dag_plots_and_tables(ws):
     """`snakemake --report` (and, where Debian's chromium is installed, it renders)."""
     import shutil

@@ -95,6 +95,7 @@ def build_verifier(
     hidden: int = 64,
     heads: int = 4,
     kv_heads: int = 2,
+    tie_word_embeddings: bool = False,
 ) -> Path:
     """A random LlamaForCausalLM saved as safetensors with its tokenizer.
 
@@ -112,7 +113,7 @@ def build_verifier(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -125,6 +126,19 @@ def build_verifier(
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
     return path
+
+
+def edit_weights(folder: Path, add: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """Add tensors to (or drop tensors from) a verifier's model.safetensors, in place."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for key in drop:
+        del tensors[key]
+    tensors.update(add or {})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder
 
 
 def write_config(

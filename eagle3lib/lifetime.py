@@ -1,0 +1,94 @@
+"""How long a job's processes live, and who may write an artifact folder.
+
+- ``die_with_parent``: the kernel sends this process SIGTERM when the thread that started it
+  dies, even by SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``). Every rule's command replaces the
+  shell snakemake starts (``exec``), so a job's first process is snakemake's own child; every
+  script asks for the signal when it starts (``scripts/_bootstrap.py``), the GPU lease wrapper
+  asks it for the command it runs, and it survives the ``exec`` into torchrun. A job therefore
+  ends with the snakemake process that started it, and each process below it with its parent.
+- ``hold_folders``: the job takes an exclusive ``flock`` per artifact folder it writes (the
+  lock file holds its PID and host; see ``lock_path``) for the life of its process (the lock's
+  descriptor is inherited across ``exec``); a second writer of the same job's artifacts stops
+  with one line naming the holder. The kernel releases the lock when the holder dies.
+
+Standard library only: the vLLM environment's scripts import it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+from pathlib import Path
+
+from eagle3lib.errors import UserError
+
+PR_SET_PDEATHSIG = 1
+
+# Lock descriptors this process holds, by lock file: kept open (and locked) until it exits.
+_HELD: dict[str, int] = {}
+
+
+def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> bool:
+    """Ask for ``sig`` when the parent (the thread that forked this process) dies. Returns
+    False when the parent is already gone: not ``parent`` (if given) or, without it, init."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    ppid = os.getppid()
+    return ppid == parent if parent is not None else ppid != 1
+
+
+def child_dies_with_me():
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when this process
+    dies, and exits at once if it already has. Start the child from the main thread: the
+    signal follows the thread that forked it."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if not die_with_parent(parent):
+            os._exit(128 + signal.SIGTERM)
+
+    return preexec
+
+
+def lock_path(folder: Path, job: str) -> Path:
+    """The lock of ``job`` on ``folder``: beside the folder, in a hidden ``.locks`` folder of
+    its parent (``results/<run>/.locks/checkpoint.train.lock``), so that the artifact folders
+    (a checkpoint is shipped as it is) hold only artifacts."""
+    return folder.parent / ".locks" / f"{folder.name}.{job}.lock"
+
+
+def _holder(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        text = os.pread(fd, 200, 0).decode(errors="replace").split()
+        if len(text) >= 2:
+            return f"pid {text[0]} on {text[1]}"
+    return "pid unknown"
+
+
+def hold_folders(job: str, *paths: str | os.PathLike | None) -> None:
+    """Lock, for ``job`` and the life of this process, the folder of every path in ``paths``
+    (the files the job writes; None is skipped); raise a one-line UserError if another process
+    holds one."""
+    for folder in sorted({Path(p).parent for p in paths if p is not None}):
+        lock = str(lock_path(folder, job))
+        Path(lock).parent.mkdir(parents=True, exist_ok=True)
+        if lock in _HELD:
+            continue
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(
+                f"{folder}: another {job} job is writing here ({holder}, lock {lock}); stop "
+                "it or let it finish, then rerun"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        os.set_inheritable(fd, True)  # held on across exec (train's torchrun relaunch)
+        _HELD[lock] = fd
