@@ -23,18 +23,20 @@ rule train:
         benchmark("train")
     conda:
         "../envs/train.yaml"
-    threads: 4
+    # per process (one per GPU): its training thread and its batch-loading threads
+    threads: max(1, config["train"]["gpus"]) * (1 + config["train"]["loader_threads"])
     resources:
         gpu=config["train"]["gpus"],
+        loader_threads=config["train"]["loader_threads"],
     params:
-        train=section("train"),
+        train=section("train", drop=("gpus", "loader_threads")),
         state=TRAIN_STATE,
     shell:
         "python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu} --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
-        " --threads {threads}"
+        " --threads {threads} --loader-threads {resources.loader_threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
         " --provenance {output.provenance} 2>&1 | tee {log}"
