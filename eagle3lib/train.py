@@ -492,6 +492,12 @@ class TrainingProgress:
         print(line, file=self.stream or sys.stderr, flush=True)
 
 
+def stop_buffer_broadcast(ddp_model) -> None:
+    """A DistributedDataParallel model no longer broadcasts its buffers before each forward
+    (they were synced when it was built; torch's ``broadcast_buffers``)."""
+    ddp_model.broadcast_buffers = False
+
+
 def _keep(_event=None) -> None:
     """release() of a batch that owns its memory."""
 
@@ -513,6 +519,15 @@ class StreamingTrainer(Trainer):
     sync_free = True  # speculators' loss metrics without host syncs (sync_free_eagle3)
 
     progress: TrainingProgress | None = None
+    # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
+    # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
+    # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
+    ddp_broadcast_buffers = True
+
+    def _setup_model_ddp(self, load_checkpoint: bool):
+        super()._setup_model_ddp(load_checkpoint)
+        if not self.ddp_broadcast_buffers:
+            stop_buffer_broadcast(self.model)
 
     def run_training(self):
         if self.rank == 0:

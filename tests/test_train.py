@@ -171,6 +171,40 @@ def test_ffd_packing_trains(pipeline, tmp_path):
     assert all(math.isfinite(x) for x in curve["train_loss"])
 
 
+def test_training_never_changes_the_drafts_buffers(pipeline, tmp_path):
+    """What lets DDP skip re-sending them every step (StreamingTrainer.ddp_broadcast_buffers)."""
+    seen = {}
+
+    class Recording(train.StreamingTrainer):
+        def run_training(self):
+            seen["before"] = {k: v.clone() for k, v in self.model.named_buffers()}
+            super().run_training()
+            seen["after"] = dict(self.model.named_buffers())
+
+    train_pipeline(pipeline, tmp_path / "s", trainer_class=Recording, epochs=1, max_steps=3)
+    assert {"t2d", "d2t"} <= set(seen["before"])
+    assert seen["before"].keys() == seen["after"].keys()
+    for name, value in seen["before"].items():
+        assert torch.equal(value, seen["after"][name]), name
+
+
+def test_ddp_stops_broadcasting_buffers_when_asked():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(2, 2)
+        module.register_buffer("table", torch.arange(3))
+        ddp = DistributedDataParallel(module)
+        assert ddp.will_sync_module_buffers()
+        train.stop_buffer_broadcast(ddp)
+        assert not ddp.will_sync_module_buffers()
+        ddp(torch.ones(1, 2)).sum().backward()  # still trains
+    finally:
+        dist.destroy_process_group()
+
+
 def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
     state = tmp_path / "s"
     stats = train_pipeline(pipeline, state, epochs=2, max_steps=2)
