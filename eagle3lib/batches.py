@@ -356,8 +356,14 @@ class ThreadedBatches:
         def nothing(_event=None):
             return None
 
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def on_this_device():  # pinned buffers and events in this rank's context, not GPU 0's
+            if device is not None:
+                torch.cuda.set_device(device)
+
         executor = concurrent.futures.ThreadPoolExecutor(
-            self.threads, thread_name_prefix="batch-loader"
+            self.threads, thread_name_prefix="batch-loader", initializer=on_this_device
         )
         window = [executor.submit(build, i) for i in itertools.islice(batches, self.depth)]
         try:
