@@ -1142,8 +1142,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 # Two trainers on the same batches, same seed and recipe, in bf16 autocast on a GPU: their
 # per-step losses may differ this much (relative). bf16 keeps 8 significant bits (a relative
 # step of 2^-8 = 0.39 %), ours steps AdamW as one fused kernel (speculators: foreach), and
-# small differences grow over the steps; a batch skipped or a changed learning rate moves
-# the losses by more (bench/train.py --same-training measures both).
+# small differences grow over the steps. A skipped batch or another learning rate must move
+# the losses by more: tests/test_train.py checks both on CPU (fp32, where ours is exact),
+# bench/train.py --same-training twice the lr on a GPU. Not yet measured on a GPU.
 SAME_TRAINING_BF16_RTOL = 0.01
 
 
