@@ -1,24 +1,67 @@
-"""Benchmark draft training: this project's train stage against speculators' own trainer.
+r"""Benchmark draft training: this project's train stage against speculators' own trainer.
 
-    python bench/train.py --smoke                       # CPU, tiny shapes, seconds
+    python bench/train.py --smoke                       # CPU, tiny shapes, a few minutes
     python bench/train.py --steps 60                    # one GPU, Llama-3.1-8B verifier shape
-    torchrun --nproc-per-node 2 bench/train.py ...      # DDP over 2 GPUs (our stage only)
+    torchrun --nproc-per-node 2 bench/train.py ...      # DDP over 2 GPUs
 
 Both trainers train the same EAGLE-3 draft (1 layer, hidden 4096, draft vocab 32000, 3 TTT
-steps, packed sequences of 2048) on the same synthetic hidden-state shards with the same
-seed; speculators' data path (multipack sampler, CollateFn, shift_batch) and model are used by
-both. Variants:
+steps, packed sequences of 2048) on the same synthetic hidden-state shards (lengths uniform in
+256-2048) with the same seed; speculators' data path (sampler, CollateFn, shift_batch) and
+model are used by both. Variants (``VARIANTS``):
 
-    ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps
-    ours_syncs            the same with speculators' loss metrics as they are (8 host syncs
-                          a step; `ours` removes them, eagle3lib.train.sync_free_eagle3)
-    speculators_fastest   speculators.train.trainer.Trainer, AdamW, no per-step logging,
-                          its loader settings (12 spawn workers, prefetch 4, pinned)
-    speculators_cli       speculators' CLI defaults: Muon, logging every step
+    ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps,
+                          batches built by 4 threads (train.loader_threads)
+    ours_muon             the workflow's default recipe: Muon, log every 10 steps
+    ours_ffd              ours with train.packing: ffd (fuller batches)
+    ours_fp8              ours on fp8 shards of the same states
+    ours_syncs            ours with speculators' loss metrics as they are (8 host syncs a step)
+    ours_1thread          ours with one thread running speculators' CollateFn (the old loader)
+    ours_workers          ours with speculators' loader, --workers processes
+    ours_nobcast          ours whose DDP does not re-send the draft's buffers every step
+    speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
+                          loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
+    speculators_fastest   the same with --workers workers (earlier commands)
+    speculators_cli       its CLI's defaults: Muon, logging every step, 12 workers
+
+``name+contend`` runs a variant with --contend busy processes (each copying 32 MB arrays: a
+core and memory bandwidth, as other jobs of the node) from its first step to the end of its
+timed window. --repeat N runs the variant list N times in order, so pairs interleave.
 
 Real (non-padding) tokens per second are timed between steps --warmup and --steps with the
-GPU synchronised at both ends. Prints a table and `key = value` lines; writes
-bench_train.json to --out.
+GPU synchronised at both ends; data wait is the training loop's wait for batches in that
+window (ours only). The summary pairs the i-th runs of: ours and speculators' trainer at its
+best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_muon and
+speculators_cli, ours_ffd and ours; per comparison every pair's ratio, the min and the median.
+It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
+speedup_vs_speculators (min over pairs), muon.speedup_vs_speculators_cli (min),
+contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
+contended.vs_quiet, pack_fill (speculators' sampler, one epoch of the bench's samples) and
+ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
+(ours vs speculators' trainer, first N losses, same batches, logged every step) and the
+same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
+SAME_TRAINING_BF16_RTOL); under torchrun with --baseline, scaling_efficiency per variant.
+Writes bench_train.json (bench_train_ddp2.json) to --out, and after every run
+bench_train.partial-<rank>.json (what a call cut short keeps). Each run's wall time is in the
+table.
+
+Next GPU measurements (issue 16; durations are estimates from earlier calls, not measured:
+each run builds the draft and, first in a process, compiles it; runs with 12 spawned workers
+start more slowly):
+
+  1. one H200 (nvidia-h200), about 6-8 min, 21 runs: the fair baseline, the default recipe
+     and contention (12 busy processes on the 16 cores):
+       python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
+         --contend 12 --repeat 3 \
+         --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
+  2. two H200s (nvidia-h200-x2), about 6 min, 17 runs: on GPU 0 packing, ours and the old
+     loader under contention (24 busy processes on its 32 cores) and same training over 50
+     steps; then DDP with and without the buffer broadcast, against that call's one-GPU ours:
+       python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
+         --contend 24 --repeat 2 --same-training 50 \
+         --variants ours,ours_ffd,ours+contend,ours_1thread+contend && \
+       torchrun --nproc-per-node 2 bench/train.py --samples 120 --steps 28 --warmup 8 \
+         --profile-steps 0 --repeat 3 --variants ours,ours_nobcast \
+         --baseline /tmp/eagle3-bench-train/bench_train.json
 """
 
 from __future__ import annotations
@@ -37,6 +80,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from eagle3lib.config import TrainConfig  # noqa: E402
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -61,15 +106,55 @@ TINY = dict(
 )
 
 
-VARIANTS = (
-    "ours",
-    "ours_fp8",  # ours on fp8 shards of the same states (extract.storage: fp8)
-    "ours_syncs",
-    "ours_workers",
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to train: whose trainer and with what recipe, loader and packing."""
+
+    trainer: str = "ours"  # ours (StreamingTrainer) or speculators (its Trainer)
+    optimizer: str = "adamw"
+    log_every: int = 100
+    workers: int | None = 0  # DataLoader worker processes; None: --workers
+    loader_threads: int = 4  # ours without workers: threads building batches
+    packing: str = "multipack"
+    storage: str = "bf16"
+    syncs: bool = False  # speculators' loss metrics with their host syncs
+    broadcast_buffers: bool = True  # DDP re-sends the draft's buffers every forward
+    lr_factor: float = 1.0  # a mutation for --same-training
+
+
+# ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
+VARIANTS = {
+    # StreamingTrainer, AdamW, metrics every 100 steps, batches built by 4 threads
+    "ours": Variant(),
+    # the workflow's default recipe: Muon, log every train.log_every (10) steps
+    "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every),
+    "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
+    "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
+    "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
+    "ours_1thread": Variant(loader_threads=0),  # one thread running speculators' collate
+    "ours_workers": Variant(workers=None),  # speculators' loader with --workers processes
+    "ours_nobcast": Variant(broadcast_buffers=False),  # under torchrun: DDP without buffer sync
+    "ours_lr2x": Variant(lr_factor=2.0),  # a mutation: twice the learning rate
+    # speculators.train.trainer.Trainer, AdamW, no per-step logging, its loader (spawned
+    # workers, prefetch 4, pinned) with 0, 4, 12 or --workers workers
+    "speculators_w0": Variant("speculators", log_every=10**9, workers=0),
+    "speculators_w4": Variant("speculators", log_every=10**9, workers=4),
+    "speculators_w12": Variant("speculators", log_every=10**9, workers=12),
+    "speculators_fastest": Variant("speculators", log_every=10**9, workers=None),
+    # its CLI's defaults: Muon, logging every step, 12 workers
+    "speculators_cli": Variant("speculators", optimizer="muon", log_every=1, workers=12),
+}
+SPECULATORS_SETTINGS = (
+    "speculators_w0",
+    "speculators_w4",
+    "speculators_w12",
     "speculators_fastest",
-    "speculators_cli",
 )
-WITH_WORKERS = ("ours_workers", "speculators_fastest", "speculators_cli")  # loader workers
+CONTEND = "+contend"
+
+
+def variant(name: str) -> Variant:
+    return VARIANTS[name.removesuffix(CONTEND)]
 
 
 def make_verifier(path: Path, shape: dict) -> Path:
@@ -146,14 +231,56 @@ def make_shards(
     return shards, manifests
 
 
+# One busy process of --contend: copies and scales 32 MB arrays, a core and memory bandwidth
+# taken as another job on the node would (extraction, evaluation, other training).
+BUSY = """
+import numpy as np
+a = np.ones(1 << 22)
+b = np.empty_like(a)
+print("ready", flush=True)
+while True:
+    np.copyto(b, a)
+    b *= 1.0001
+"""
+
+
+class Busy:
+    """``n`` busy processes (``BUSY``), started and stopped by the benchmark."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def start(self) -> None:
+        import subprocess
+
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
+            for _ in range(self.n)
+        ]
+        for proc in self.procs:  # running before the clock starts
+            proc.stdout.readline()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()
+            proc.stdout.close()
+        self.procs = []
+
+
 class StepClock:
     """Synchronised timestamps at two steps: the timed window excludes warm-up/compilation.
 
-    After the window, ``sync_steps`` steps run in CUDA's sync debug mode (SyncSites), then
-    ``profile_steps`` under torch.profiler, to report how busy the GPU was (kernel time over
-    wall time)."""
+    With ``busy`` processes, they start after the first step (compilation), so the warm-up
+    steps already run beside them, and stop after the window. The trainer's data wait
+    (``data_wait_seconds``, ours only) is read at both ends of the window. After the window,
+    ``sync_steps`` steps run in CUDA's sync debug mode (SyncSites), then ``profile_steps``
+    under torch.profiler, to report how busy the GPU was (kernel time over wall time)."""
 
-    def __init__(self, start: int, stop: int, profile_steps: int = 0, sync_steps: int = 0):
+    def __init__(
+        self, start: int, stop: int, profile_steps: int = 0, sync_steps: int = 0, busy: int = 0
+    ):
         self.start, self.stop, self.step = start, stop, 0
         self.sync_sites = SyncSites(sync_steps) if torch.cuda.is_available() else None
         self.t0 = self.t1 = None
@@ -161,9 +288,18 @@ class StepClock:
         self.prof = None
         self.gpu_busy = None
         self.table = ""
+        self.busy = Busy(busy)
+        self.trainer = None
+        self.waits: list[float] = []
+
+    def data_wait(self) -> float | None:
+        """Seconds the training loop waited for batches inside the window (ours only)."""
+        return self.waits[1] - self.waits[0] if len(self.waits) == 2 else None
 
     def __call__(self):
         self.step += 1
+        if self.step == 1 and self.busy.n:
+            self.busy.start()
         if self.step in (self.start, self.stop):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -171,6 +307,9 @@ class StepClock:
                 self.t0 = time.perf_counter()
             else:
                 self.t1 = time.perf_counter()
+                self.busy.stop()
+            if hasattr(self.trainer, "data_wait_seconds"):
+                self.waits.append(self.trainer.data_wait_seconds)
         # after the timed window: first the sync-debug steps, then the profiled ones
         if self.sync_sites is not None:
             self.sync_sites.at_step(self.step - self.stop)
@@ -263,13 +402,11 @@ class SyncSites:
 
 
 def real_tokens_per_batch(loader, epoch: int, total_seq_len: int) -> list[int]:
-    """Real tokens of each batch as CollateFn/shift_batch pack them (same for all variants)."""
-    sampler = loader.batch_sampler
-    lengths = np.asarray(loader.dataset.approx_lengths)
-    out = []
-    for batch in sampler._generate_batches(epoch):  # noqa: SLF001
-        out.append(int(min(total_seq_len, (lengths[batch] - 1).sum())))
-    return out
+    """Real tokens of each batch as CollateFn/shift_batch pack them."""
+    from eagle3lib.batches import real_tokens
+
+    batches = loader.batch_sampler._generate_batches(epoch)  # noqa: SLF001
+    return real_tokens(batches, np.asarray(loader.dataset.approx_lengths), total_seq_len)
 
 
 def run_variant(
@@ -278,26 +415,29 @@ def run_variant(
     from speculators.train import trainer as st
 
     from eagle3lib import train
-    from eagle3lib.config import TrainConfig
 
-    optimizer = "muon" if name == "speculators_cli" else "adamw"
-    log_every = {"speculators_fastest": 10**9, "speculators_cli": 1}.get(name, 100)
+    v = variant(name)
     cfg = TrainConfig(
         epochs=1,
         total_seq_len=args.total_seq_len,
         draft_vocab_size=args.draft_vocab,
-        optimizer=optimizer,
+        optimizer=v.optimizer,
+        lr=TrainConfig.lr * v.lr_factor,
         max_steps=args.steps + args.sync_sites + args.profile_steps + 1,
-        log_every=log_every,
+        log_every=args.log_every or v.log_every,  # --log-every: loss curves (a sync per log)
         seed=0,
         val_fraction=0.02,
-        loader_workers=args.workers if name in WITH_WORKERS else 0,
+        # --smoke: no worker processes (on a CPU each would import torch)
+        loader_workers=0 if args.smoke else args.workers if v.workers is None else v.workers,
+        loader_threads=v.loader_threads,
+        packing=v.packing,
         loss="eager" if args.eager_loss else "auto",
         fsdp=args.fsdp,
     )
-    if args.log_every:  # for comparing loss curves (a host sync per logged step)
-        cfg = dataclasses.replace(cfg, log_every=args.log_every)
-    clock = StepClock(args.warmup, args.steps, args.profile_steps, args.sync_sites)
+    contended = name.endswith(CONTEND) or (args.contend and CONTEND not in args.variants)
+    local_rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    busy = args.contend if contended and local_rank0 else 0
+    clock = StepClock(args.warmup, args.steps, args.profile_steps, args.sync_sites, busy)
     tokens_box = {}
 
     def timed(cls):
@@ -307,6 +447,7 @@ def run_variant(
                 tokens_box["per_batch"] = real_tokens_per_batch(
                     self.train_loader, 0, args.total_seq_len
                 )
+                clock.trainer = self
                 self.train_epoch = functools.partial(super().train_epoch, step_callback=clock)
 
             def val_epoch(self, epoch):  # not part of the benchmark
@@ -314,15 +455,20 @@ def run_variant(
 
         return TimedTrainer
 
-    base = train.StreamingTrainer if name.startswith("ours") else st.Trainer
-    if name == "ours_syncs":  # the loss metrics with speculators' host syncs, for comparison
-        base = type("StreamingTrainerWithSyncs", (base,), {"sync_free": False})
-    cls = timed(base)
-    state = out / f"state-{name}-{index}"  # a repeated variant never resumes the earlier run
+    if v.trainer == "ours":
+        base = type(
+            "BenchStreamingTrainer",
+            (train.StreamingTrainer,),
+            {"sync_free": not v.syncs, "ddp_broadcast_buffers": v.broadcast_buffers},
+        )
+    else:
+        base = st.Trainer
+    state = out / f"state-{index}"  # a repeated variant never resumes the earlier run
     if state.exists() and os.environ.get("RANK", "0") == "0":  # other ranks wait in train()
         import shutil
 
         shutil.rmtree(state)
+    started, graphs_before = time.perf_counter(), compiled_graphs()
     try:
         stats = train.train(
             cfg,
@@ -332,57 +478,192 @@ def run_variant(
             vocab_map,
             state,
             state / "metrics.jsonl",
-            trainer_class=cls,
+            trainer_class=timed(base),
         )
-    finally:  # training that ended inside the sync-debug steps leaves nothing switched on
+    finally:  # training that ended early leaves nothing switched on or running
         if clock.sync_sites is not None:
             clock.sync_sites.close()
+        clock.busy.stop()
     (out / f"profile-{name}.txt").write_text(clock.table)
     if clock.sync_sites is not None and clock.sync_sites.steps:
         (out / f"sync-sites-{name}.txt").write_text(clock.sync_sites.report() + "\n")
         print(f"sync sites ({name}):\n{clock.sync_sites.report()}", flush=True)
     per_batch = tokens_box["per_batch"]
     tokens = sum(per_batch[args.warmup : args.steps])
+    steps_timed = args.steps - args.warmup
     seconds = clock.t1 - clock.t0
+    wait = clock.data_wait()
     processes = stats.get("processes", 1)
     if processes > 1:  # every rank trained its own batches: add them up
         import torch.distributed as dist
 
         both = torch.tensor(
-            [float(tokens), seconds], device="cuda" if torch.cuda.is_available() else "cpu"
+            [float(tokens), seconds, wait or 0.0],
+            device="cuda" if torch.cuda.is_available() else "cpu",
         )
         dist.all_reduce(both)
         tokens, seconds = int(both[0]), float(both[1]) / processes
+        wait = float(both[2]) / processes if wait is not None else None
     curve = None
-    if args.log_every:
+    if cfg.log_every == 1 or args.log_every:
         curves = train.loss_curves(train.read_metrics(state / "metrics.jsonl"))
         curve = {"step": curves["step"], "train_loss": curves["train_loss"]}
     kind = "fsdp" if args.fsdp else "ddp"
     return {
         "variant": name + (f"_{kind}{processes}" if processes > 1 else ""),
+        "name": name,
         "total_seq_len": args.total_seq_len,
         "loss_curve": curve,
         "processes": processes,
-        "optimizer": optimizer,
-        "steps_timed": args.steps - args.warmup,
+        "optimizer": v.optimizer,
+        "packing": v.packing,
+        "contend": busy,
+        "steps_timed": steps_timed,
         "real_tokens": tokens,
+        # real tokens over positions in the window, every rank's batches together
+        "window_fill": round(tokens / (steps_timed * processes * args.total_seq_len), 4),
         "seconds": round(seconds, 3),
-        "ms_per_step": round(1000 * seconds / (args.steps - args.warmup), 2),
+        "ms_per_step": round(1000 * seconds / steps_timed, 2),
         "tokens_per_s": round(tokens / seconds),
-        "data_wait_fraction": stats.get("data_wait_fraction") if name.startswith("ours") else None,
+        # the training loop's wait for batches: in the timed window, and over the whole run
+        "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
+        "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
+        "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
+        "graphs_compiled": compiled_graphs() - graphs_before,
         "attention": stats["attention"],
         "loss_implementation": stats["loss_implementation"],
+        "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
-def paired_speedups(
-    results: list[dict], a: str = "ours", b: str = "speculators_fastest"
-) -> list[float]:
-    """Tokens/s of the i-th run of variant ``a`` over the i-th run of ``b``."""
-    first = [r["tokens_per_s"] for r in results if r["variant"] == a]
-    second = [r["tokens_per_s"] for r in results if r["variant"] == b]
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a recompiling run shows)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - an internal counter, reporting only
+        return 0
+
+
+def pairs(results: list[dict], a: str, b: str) -> list[float]:
+    """Tokens/s of the i-th run of variant ``a`` over the i-th run of ``b`` (runs interleaved
+    in the order given pair up)."""
+    first = [r["tokens_per_s"] for r in results if r["name"] == a]
+    second = [r["tokens_per_s"] for r in results if r["name"] == b]
     return [round(x / y, 3) for x, y in zip(first, second, strict=False)]
+
+
+def median_of(results: list[dict], name: str, key: str = "tokens_per_s") -> float | None:
+    values = [r[key] for r in results if r["name"] == name and r[key] is not None]
+    return float(np.median(values)) if values else None
+
+
+def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
+    """The comparisons of one call: (summary, ``key = value`` lines).
+
+    - ours (AdamW) against speculators' trainer at its best loader setting of this call
+      (the setting with the highest median tokens/s): every pair's ratio, min and median;
+      the key is the min;
+    - ours_muon (the workflow's default recipe) against speculators_cli (its CLI defaults);
+    - ours+contend (busy processes in the window) against quiet ours;
+    - ours_ffd against ours (fuller batches)."""
+    summary: dict = {}
+    lines: list[str] = []
+
+    def comparison(key: str, a: str, b: str) -> None:
+        ratios = pairs(results, a, b)
+        if not ratios:
+            return
+        summary[key] = {
+            "pairs": ratios,
+            "min": min(ratios),
+            "median": round(float(np.median(ratios)), 3),
+            "against": b,
+        }
+        lines.append(f"{key} per pair ({a} / {b}): " + ", ".join(f"{x:.3f}" for x in ratios))
+        lines.append(f"train.{tag}.{key} = {min(ratios):.3f}")
+        lines.append(f"train.{tag}.{key}.median = {float(np.median(ratios)):.3f}")
+
+    ours = median_of(results, "ours")
+    if ours is not None:
+        mid = sorted((r for r in results if r["name"] == "ours"), key=lambda r: r["tokens_per_s"])[
+            (sum(r["name"] == "ours" for r in results) - 1) // 2
+        ]
+        lines.append(f"train.{tag}.tokens_per_s = {mid['tokens_per_s']}")
+        if mid["data_wait_fraction"] is not None:
+            lines.append(f"train.{tag}.data_wait_fraction = {mid['data_wait_fraction']:.4f}")
+    settings = {s: median_of(results, s) for s in SPECULATORS_SETTINGS}
+    settings = {s: m for s, m in settings.items() if m is not None}
+    if settings:
+        best = max(settings, key=settings.get)
+        summary["speculators_settings"] = settings
+        summary["speculators_best"] = best
+        lines.append(
+            "speculators' trainer, median tokens/s per setting: "
+            + ", ".join(f"{s} {m:,.0f}" for s, m in settings.items())
+            + f" (best: {best})"
+        )
+        comparison("speedup_vs_speculators", "ours", best)
+    comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
+    contended = median_of(results, "ours" + CONTEND)
+    if contended is not None:
+        waits = [r["data_wait_fraction"] for r in results if r["name"] == "ours" + CONTEND]
+        summary["contended"] = {"tokens_per_s": contended, "data_wait_fractions": waits}
+        lines.append(f"train.{tag}.contended.tokens_per_s = {contended:.0f}")
+        lines.append(f"train.{tag}.contended.data_wait_fraction = {max(waits):.4f} (max)")
+        if ours is not None:
+            lines.append(f"train.{tag}.contended.vs_quiet = {contended / ours:.3f}")
+    for name in (n for n in ("ours_1thread" + CONTEND, "ours_1thread") if median_of(results, n)):
+        waits = [r["data_wait_fraction"] for r in results if r["name"] == name]
+        lines.append(
+            f"{name}: {median_of(results, name):,.0f} tokens/s, data wait {max(waits):.4f} (max)"
+        )
+    ffd = median_of(results, "ours_ffd")
+    if ffd is not None:
+        lines.append(f"train.{tag}.ffd.tokens_per_s = {ffd:.0f}")
+        fill = median_of(results, "ours_ffd", "window_fill")
+        lines.append(f"ours_ffd window fill {fill:.3f}")
+        comparison("ffd.speedup_vs_ours", "ours_ffd", "ours")
+    return summary, lines
+
+
+def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict, list[str]]:
+    """ours and speculators' trainer (no workers: the same batches, the same AdamW recipe),
+    and ours with twice the learning rate, ``--same-training`` steps with the loss logged every
+    step: the largest relative difference of each from speculators' losses."""
+    from eagle3lib.train import SAME_TRAINING_BF16_RTOL, max_relative_difference
+
+    n = args.same_training
+    short = argparse.Namespace(
+        **{**vars(args), "steps": n, "warmup": 1, "profile_steps": 0, "sync_sites": 0}
+    )
+    short.log_every, short.contend = 1, 0
+    curves = {}
+    for k, name in enumerate(("speculators_w0", "ours", "ours_lr2x")):
+        result = run_variant(name, 1000 + k, short, record, *data["bf16"], vocab_map, out)
+        curves[name] = result["loss_curve"]["train_loss"][:n]
+    ref = curves["speculators_w0"]
+    ours = max_relative_difference(ref, curves["ours"])
+    mutant = max_relative_difference(ref, curves["ours_lr2x"])
+    summary = {
+        "steps": min(len(c) for c in curves.values()),
+        "tolerance": SAME_TRAINING_BF16_RTOL,
+        "ours_max_relative_difference": ours,
+        "lr2x_max_relative_difference": mutant,
+        "losses": curves,
+    }
+    tag = device_tag()
+    verdict = "within" if ours <= SAME_TRAINING_BF16_RTOL else "OUTSIDE"
+    seen = "breaks it" if mutant > SAME_TRAINING_BF16_RTOL else "DOES NOT break it"
+    lines = [
+        f"same training: first {summary['steps']} losses, ours vs speculators' trainer {verdict}"
+        f" the bf16 tolerance {SAME_TRAINING_BF16_RTOL}; twice the lr {seen}",
+        f"train.{tag}.same_training.max_relative_difference = {ours:.5f}",
+        f"train.{tag}.same_training.lr2x_max_relative_difference = {mutant:.5f}",
+    ]
+    return summary, lines
 
 
 def device_tag() -> str:
@@ -398,18 +679,36 @@ def main() -> None:
     )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--variants", default="ours,speculators_fastest,speculators_cli,ours_workers")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="run the variants, in order, this many times"
+    )
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--total-seq-len", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None)
-    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--workers", type=int, default=12, help="workers of *_fastest, ours_workers")
     p.add_argument("--profile-steps", type=int, default=5, help="steps profiled after the window")
     p.add_argument(
         "--sync-sites",
         type=int,
         default=0,
         help="steps after the timed ones run in CUDA sync debug mode; lists where the host waits",
+    )
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        help="busy processes during the timed window of the variants written name+contend "
+        "(of every variant if none is)",
+    )
+    p.add_argument(
+        "--same-training",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also train ours, speculators' trainer and ours with twice the lr for STEPS steps "
+        "on the same batches, loss logged every step, and compare the losses",
     )
     p.add_argument(
         "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"
@@ -429,16 +728,14 @@ def main() -> None:
     args.warmup = args.warmup or (3 if smoke else 10)
     args.total_seq_len = args.total_seq_len or (256 if smoke else 2048)
     args.draft_vocab = args.draft_vocab or (128 if smoke else 32000)
-    if smoke:
-        args.workers = 0
-
-    names = args.variants.split(",")
-    if unknown := sorted(set(names) - set(VARIANTS)):
+    names = [n for n in args.variants.split(",") if n] * args.repeat
+    if unknown := sorted({n.removesuffix(CONTEND) for n in names} - set(VARIANTS)):
         p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
 
-    from eagle3lib import vocab
+    from eagle3lib import batches, vocab
     from eagle3lib.verifier import materialize
 
+    t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY if smoke else LLAMA_8B
@@ -447,66 +744,100 @@ def main() -> None:
     rng = np.random.default_rng(0)
     low, high = (32, 200) if smoke else (256, 2048)
     lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
-    shards, manifests = make_shards(out, record, lengths, 4, seed=0)
-    fp8 = None
-    if "ours_fp8" in names:
+    data = {"bf16": make_shards(out, record, lengths, 4, seed=0)}
+    if any(variant(n).storage == "fp8" for n in names):
         (out / "fp8").mkdir(exist_ok=True)
-        fp8 = make_shards(out / "fp8", record, lengths, 4, seed=0, storage="fp8")
+        data["fp8"] = make_shards(out / "fp8", record, lengths, 4, seed=0, storage="fp8")
     freq = np.bincount(rng.integers(0, shape["vocab_size"], 200000), minlength=shape["vocab_size"])
     d2t, t2d = vocab.build(freq, args.draft_vocab)
+    vocab_map = {"d2t": d2t, "t2d": t2d}
 
+    if torch.cuda.is_available():  # every run builds a new draft: never fall back to eager
+        from torch._dynamo import config as dynamo
+
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo, limit):
+                setattr(dynamo, limit, 1024)
     results = []
+    partial = out / f"bench_train.partial-{os.environ.get('RANK', '0')}.json"
     for index, name in enumerate(names):
-        data = fp8 if name == "ours_fp8" else (shards, manifests)
-        results.append(run_variant(name, index, args, record, *data, {"d2t": d2t, "t2d": t2d}, out))
+        shards = data[variant(name).storage]
+        results.append(run_variant(name, index, args, record, *shards, vocab_map, out))
         print(json.dumps(results[-1]), flush=True)
+        partial.write_text(json.dumps(results, indent=2))  # what a timed-out call keeps
+    same = None
+    if args.same_training:
+        same = same_training(args, record, data, vocab_map, out)
     from eagle3lib import train
 
     rank = int(os.environ.get("RANK", "0"))
     train.teardown_distributed()
     if rank != 0:
         return
-    summary = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "results": results,
+    tag = device_tag()
+    processes = results[0]["processes"] if results else 1
+    if processes > 1:
+        tag = f"{processes}x{tag}" + (".fsdp" if args.fsdp else "")
+    summary, lines = summarize(results, tag)
+    # packing fill of the bench's length mix (the training samples), per sampler and length
+    fills = {
+        f"{packing}.{n}": round(batches.pack_fill(packing, lengths, n, processes), 4)
+        for packing in batches.PACKINGS
+        for n in sorted({2048, 8192, args.total_seq_len})
     }
-    pairs = paired_speedups(results)
-    if pairs:
-        # repeated variants (ours,speculators_fastest,ours,...) pair up in order; the median
-        # of the pairs is the figure, so one slow run does not decide it
-        summary["speedups_per_pair"] = pairs
-        summary["speedup_vs_speculators"] = round(float(np.median(pairs)), 3)
-    kind = "fsdp" if args.fsdp else "ddp"
-    name = "bench_train" + (
-        f"_{kind}{results[0]['processes']}" if results[0]["processes"] > 1 else ""
-    )
-    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
-    if args.baseline and results[0]["processes"] > 1:
-        single = json.loads(Path(args.baseline).read_text())
-        one = next(r for r in single["results"] if r["variant"] == "ours")["tokens_per_s"]
-        eff = results[0]["tokens_per_s"] / (results[0]["processes"] * one)
-        tag = f"{results[0]['processes']}x{device_tag()}" + (".fsdp" if args.fsdp else "")
-        print(f"train.{tag}.tokens_per_s = {results[0]['tokens_per_s']}")
-        print(f"train.{tag}.scaling_efficiency = {eff:.3f}")
-    print(f"{'variant':22s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s}")
-    for r in results:
-        print(
-            f"{r['variant']:22s} {r['optimizer']:9s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9d}"
-        )
-    ours = [r for r in results if r["variant"] == "ours"]
-    if ours:  # the median run of ours (the middle one of an odd number of repeats)
-        mid = sorted(ours, key=lambda r: r["tokens_per_s"])[(len(ours) - 1) // 2]
-        print(f"train.{device_tag()}.tokens_per_s = {mid['tokens_per_s']}")
-        print(f"train.data_wait_fraction = {mid['data_wait_fraction']:.4f}")
-    if len(pairs) > 1:
-        print("speedup per pair: " + ", ".join(f"{x:.3f}" for x in pairs))
-    if "speedup_vs_speculators" in summary:
-        print(f"train.{device_tag()}.speedup_vs_speculators = {summary['speedup_vs_speculators']}")
-    fp8 = paired_speedups(results, "ours_fp8", "ours")
+    summary["pack_fill"] = fills
+    lines.append("pack fill (real tokens / positions, one epoch of the bench's samples): ")
+    lines[-1] += ", ".join(f"{k} {v:.3f}" for k, v in fills.items())
+    lines.append(f"train.{tag}.pack_fill = {fills[f'multipack.{args.total_seq_len}']:.4f}")
+    lines.append(f"train.{tag}.ffd.pack_fill = {fills[f'ffd.{args.total_seq_len}']:.4f}")
+    if same is not None:
+        summary["same_training"] = same[0]
+        lines += same[1]
+    fp8 = pairs(results, "ours_fp8", "ours")
     if fp8:  # the same states from fp8 shards (dequantized on the GPU) against bf16 shards
-        print("fp8 / bf16 per pair: " + ", ".join(f"{x:.3f}" for x in fp8))
-        print(f"train.{device_tag()}.fp8_vs_bf16_tokens_per_s = {float(np.median(fp8)):.3f}")
+        lines.append("fp8 / bf16 per pair: " + ", ".join(f"{x:.3f}" for x in fp8))
+        lines.append(f"train.{tag}.fp8_vs_bf16_tokens_per_s = {float(np.median(fp8)):.3f}")
+    if args.baseline and processes > 1:
+        single = json.loads(Path(args.baseline).read_text())
+        one = float(
+            np.median(
+                [
+                    r["tokens_per_s"]
+                    for r in single["results"]
+                    if r.get("name", r["variant"]) == "ours"
+                ]
+            )
+        )
+        for name in dict.fromkeys(r["name"] for r in results):
+            mine = median_of(results, name)
+            key = "" if name == "ours" else f".{name.removeprefix('ours_')}"
+            if key:  # ours' tokens/s is above
+                lines.append(f"train.{tag}{key}.tokens_per_s = {mine:.0f}")
+            lines.append(f"train.{tag}{key}.scaling_efficiency = {mine / (processes * one):.3f}")
+    wall = round(time.perf_counter() - t_start)
+    summary.update(
+        {
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+            "wall_s": wall,
+            "results": results,
+        }
+    )
+    kind = "fsdp" if args.fsdp else "ddp"
+    name = "bench_train" + (f"_{kind}{processes}" if processes > 1 else "")
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"{'variant':26s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s} {'fill':>6s}"
+        f" {'data wait':>9s} {'wall s':>7s}"
+    )
+    for r in results:
+        wait = "-" if r["data_wait_fraction"] is None else f"{r['data_wait_fraction']:.4f}"
+        print(
+            f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
+            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {r['wall_s']:7.1f}"
+        )
+    print("\n".join(lines))
+    print(f"bench wall time: {wall} s")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ class TrainConfig:
     fsdp: bool = False
     log_every: int = 10
     loader_workers: int = 0
+    loader_threads: int = 4
+    packing: str = "multipack"
     attention: str = "auto"
     loss: str = "auto"
     gpus: int = 0

@@ -235,25 +235,30 @@ def fp8_inputs(dtype: torch.dtype):
 
 
 def make_loader(
-    dataset, total_seq_len: int, hidden_size: int, n_aux: int, seed: int, workers: int = 0
+    dataset,
+    total_seq_len: int,
+    hidden_size: int,
+    n_aux: int,
+    seed: int,
+    workers: int = 0,
+    packing: str = "multipack",
 ):
     """The DataLoader speculators' CLI builds: multipack sampler, CollateFn with shift_batch.
 
     With ``workers`` > 0 it uses speculators' loader settings (spawned workers, prefetch 4,
-    pinned memory); with 0 the StreamingTrainer reads and collates in a background thread.
+    pinned memory); with 0 the StreamingTrainer builds its batches in background threads
+    (``batches.ThreadedBatches``). ``packing`` "ffd" packs fuller batches
+    (``batches.FirstFitDecreasingSampler``).
     """
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
     from speculators.train.distributed import get_dp_rank, get_dp_size
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader
 
-    sampler = MultipackDistributedBatchSamplerV2(
-        batch_max_length=total_seq_len,
-        lengths=dataset.approx_lengths,
-        num_replicas=get_dp_size(),
-        rank=get_dp_rank(),
-        seed=seed,
+    from eagle3lib.batches import make_sampler
+
+    sampler = make_sampler(
+        packing, dataset.approx_lengths, total_seq_len, get_dp_size(), get_dp_rank(), seed
     )
     collate = CollateFn(
         total_seq_len,
@@ -487,6 +492,16 @@ class TrainingProgress:
         print(line, file=self.stream or sys.stderr, flush=True)
 
 
+def stop_buffer_broadcast(ddp_model) -> None:
+    """A DistributedDataParallel model no longer broadcasts its buffers before each forward
+    (they were synced when it was built; torch's ``broadcast_buffers``)."""
+    ddp_model.broadcast_buffers = False
+
+
+def _keep(_event=None) -> None:
+    """release() of a batch that owns its memory."""
+
+
 class StreamingTrainer(Trainer):
     """speculators' Trainer with a step loop that never makes the host wait for the GPU.
 
@@ -500,9 +515,19 @@ class StreamingTrainer(Trainer):
     """
 
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
+    loader_threads = 4  # threads building batches (train.loader_threads); 0: one, as before
     sync_free = True  # speculators' loss metrics without host syncs (sync_free_eagle3)
 
     progress: TrainingProgress | None = None
+    # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
+    # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
+    # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
+    ddp_broadcast_buffers = True
+
+    def _setup_model_ddp(self, load_checkpoint: bool):
+        super()._setup_model_ddp(load_checkpoint)
+        if not self.ddp_broadcast_buffers:
+            stop_buffer_broadcast(self.model)
 
     def run_training(self):
         if self.rank == 0:
@@ -532,7 +557,31 @@ class StreamingTrainer(Trainer):
             st.build_optimizers = original
 
     def _prefetched(self, loader, depth: int = 4):
-        """Iterate ``loader`` in a background thread (reading and collating overlap the step)."""
+        """(batch, release) of ``loader`` in order, built ahead in background threads.
+
+        Without DataLoader workers, ``loader_threads`` threads build them
+        (``batches.ThreadedBatches``: into reused pinned buffers, handed back by ``release``);
+        with workers, or with ``loader_threads`` 0, one thread iterates the DataLoader."""
+        if self.loader_threads and not loader.num_workers:
+            from eagle3lib.batches import ThreadedBatches
+
+            batches = iter(ThreadedBatches(loader, self.loader_threads))
+        else:
+            batches = self._one_thread(loader, depth)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(batches, None)
+                self.data_wait_seconds += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item
+        finally:
+            batches.close()  # stops its threads now, also when the epoch ends early
+
+    def _one_thread(self, loader, depth: int):
+        """(batch, release) of ``loader``, iterated in one background thread (reading and
+        collating overlap the step)."""
         import queue
         import threading
 
@@ -554,14 +603,12 @@ class StreamingTrainer(Trainer):
         thread.start()
         try:
             while True:
-                t0 = time.perf_counter()
                 item = q.get()
-                self.data_wait_seconds += time.perf_counter() - t0
                 if item is done:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield item, _keep
         finally:
             stop.set()
             while thread.is_alive():  # unblock the producer
@@ -570,21 +617,33 @@ class StreamingTrainer(Trainer):
                 thread.join(timeout=0.05)
 
     def _device_batches(self, loader):
-        """Yield (host batch, device batch); on CUDA batch k+1 is copied while k computes."""
-        device = self.local_rank
+        """Yield (host batch, device batch); on CUDA batch k+1 is copied while k computes.
+        A host batch's buffers go back to the loader once its step is done and its copy has
+        completed (the event recorded after it)."""
         batches = self._prefetched(loader)
+        try:
+            yield from self._device_batches_of(batches)
+        finally:
+            batches.close()
+
+    def _device_batches_of(self, batches):
+        device = self.local_rank
         if not torch.cuda.is_available():
-            for batch in batches:
+            for batch, release in batches:
                 yield batch, batch
+                release(None)
             return
         stream = torch.cuda.Stream()
 
         def move(batch):
             with torch.cuda.stream(stream):
-                return {
+                moved = {
                     k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                     for k, v in batch.items()
                 }
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            return moved, copied
 
         def ready(moved):
             torch.cuda.current_stream().wait_stream(stream)
@@ -595,15 +654,19 @@ class StreamingTrainer(Trainer):
 
         it = iter(batches)
         try:
-            pending = next(it)
+            pending, pending_release = next(it)
         except StopIteration:
             return
-        moved = move(pending)
-        for batch in it:
-            current, current_moved = pending, ready(moved)
-            pending, moved = batch, move(batch)
+        moved, copied = move(pending)
+        for batch, release in it:
+            current, current_release, current_copied = pending, pending_release, copied
+            current_moved = ready(moved)
+            pending, pending_release = batch, release
+            moved, copied = move(batch)
             yield current, current_moved
+            current_release(current_copied)
         yield pending, ready(moved)
+        pending_release(copied)
 
     def train_epoch(self, epoch, *, step_callback=None):  # noqa: C901 - mirrors speculators'
         from speculators.train import trainer as st
@@ -845,6 +908,22 @@ def save_checkpoints_atomically(trainer, rank: int) -> None:
     trainer.maybe_save_checkpoint = atomic_save
 
 
+def with_loader_threads(cfg, configured: int | None, threads: int, processes: int):
+    """``cfg`` with ``configured`` loader threads (None: its own), at most what each of
+    ``processes`` gets of ``threads`` granted (0: no limit) besides its training thread, and at
+    least 1 unless 0 is configured (one thread running speculators' collate)."""
+    import dataclasses
+
+    n = cfg.loader_threads if configured is None else configured
+    if n and threads:
+        n = max(1, min(n, threads // max(processes, 1) - 1))
+    return dataclasses.replace(cfg, loader_threads=n)
+
+
+# train.* keys that do not change what is trained (its state stays resumable when they change)
+RESOURCE_KEYS = ("gpus", "checkpoint_freq", "loader_threads")
+
+
 def train(
     cfg,
     record: dict[str, Any],
@@ -884,9 +963,13 @@ def train(
     train_pairs, val_pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
 
+    # how often state is saved, on how many GPUs and by how many loader threads do not change
+    # what is trained; speculators' packing is left out as before the option existed
+    trained = {k_: v for k_, v in vars(cfg).items() if k_ not in RESOURCE_KEYS}
+    if trained["packing"] == "multipack":
+        del trained["packing"]
     fingerprint = {
-        # how often state is saved and on how many GPUs do not change what is trained
-        "train": {k_: v for k_, v in vars(cfg).items() if k_ not in ("gpus", "checkpoint_freq")},
+        "train": trained,
         "shards": [m["file"]["sha256"] for m in manifests],
         "vocab": sha256_json(vocab_map["d2t"].tolist()),
         "runtime": {"attention": runtime["attention"], "loss": runtime["loss"]},
@@ -910,6 +993,7 @@ def train(
         len(aux),
         cfg.seed,
         cfg.loader_workers,
+        cfg.packing,
     )
     # Validation is packed with seed 0, as speculators' CLI does: the same batches for every
     # seed, so validation losses compare across runs and with the CLI's.
@@ -954,6 +1038,8 @@ def train(
         with cpu_trainer_patches():
             trainer_cls = trainer_class or StreamingTrainer
             trainer = trainer_cls(model, trainer_config, train_loader, val_loader)
+            if isinstance(trainer, StreamingTrainer):
+                trainer.loader_threads = cfg.loader_threads
             save_state_losslessly(trainer.checkpointer)
             save_checkpoints_atomically(trainer, rank)
             if torch.accelerator.current_accelerator() is None:
@@ -1059,6 +1145,24 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# Two trainers on the same batches, same seed and recipe, in bf16 autocast on a GPU: their
+# per-step losses may differ this much (relative). bf16 keeps 8 significant bits (a relative
+# step of 2^-8 = 0.39 %), ours steps AdamW as one fused kernel (speculators: foreach), and
+# small differences grow over the steps. A skipped batch or another learning rate must move
+# the losses by more: tests/test_train.py checks both on CPU (fp32, where ours is exact),
+# bench/train.py --same-training twice the lr on a GPU. Not yet measured on a GPU.
+SAME_TRAINING_BF16_RTOL = 0.01
+
+
+def max_relative_difference(reference: Sequence[float], other: Sequence[float]) -> float:
+    """The largest |other - reference| / |reference| over the steps both have (each must have
+    at least one)."""
+    n = min(len(reference), len(other))
+    if n == 0:
+        raise ValueError("no common steps to compare")
+    return max(abs(b - a) / abs(a) for a, b in zip(reference[:n], other[:n], strict=True))
 
 
 def loss_curves(metrics: list[dict[str, Any]]) -> dict[str, list]:

@@ -133,6 +133,12 @@ def section(name, drop=("gpus", "gpus_per_job")):
     return json.dumps(values, sort_keys=True)
 
 
+def train_section():
+    """The train section as its rule's parameter: GPU and loader-thread counts are resources
+    (they change how fast, not what is trained)."""
+    return section("train", drop=("gpus", "loader_threads"))
+
+
 def prepare_section():
     """What decides the prepared samples (eval files are inputs; their names and prompt counts
     are not)."""
@@ -380,7 +386,7 @@ def stamp(job):
             {"train": {"draft_vocab_size": config["train"]["draft_vocab_size"]}},
             {},
         ),
-        "train": ({"train": json.loads(section("train"))}, {}),
+        "train": ({"train": json.loads(train_section())}, {}),
         "check_checkpoint": ({}, {}),
         "evaluate": (
             {"evaluate": json.loads(section("evaluate")), "eval_sets": eval_specs()},

@@ -23,11 +23,13 @@ rule train:
         benchmark("train")
     conda:
         "../envs/train.yaml"
-    threads: 4
+    # per process (one per GPU): its training thread and its batch-loading threads
+    threads: max(1, config["train"]["gpus"]) * (1 + config["train"]["loader_threads"])
     resources:
         gpu=config["train"]["gpus"],
+        loader_threads=config["train"]["loader_threads"],
     params:
-        train=section("train"),
+        train=train_section(),
         stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
@@ -36,7 +38,7 @@ rule train:
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
-        " --threads {threads}"
+        " --threads {threads} --loader-threads {resources.loader_threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
         " --provenance {output.provenance} --stamp {params.stamp:q}"

@@ -28,6 +28,7 @@ def parse():
     p.add_argument("--gpus", type=int, default=0, help="GPUs leased for this job")
     p.add_argument("--processes", type=int, default=None, help="DDP processes (default: --gpus)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--loader-threads", type=int, default=None, help="train.loader_threads")
     p.add_argument("--out-config", type=Path, required=True)
     p.add_argument("--out-weights", type=Path, required=True)
     p.add_argument("--out-card", type=Path, required=True)
@@ -56,6 +57,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(max(1, a.threads // max(processes, 1)))
     cfg = from_json(TrainConfig, a.train)
+    cfg = train.with_loader_threads(cfg, a.loader_threads, a.threads, processes)
     record = read_record(a.verifier)
     metrics = a.state_dir / "metrics.jsonl"
     try:

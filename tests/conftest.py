@@ -207,3 +207,20 @@ def pipeline(tokenizer, verifier_record, tmp_path_factory):
         "checkpoint": ckpt,
         "record": verifier_record,
     }
+
+
+@pytest.fixture(scope="session")
+def fp8_shards(pipeline, tmp_path_factory):
+    """The pipeline's shards again, states stored in fp8 (extract.storage: fp8)."""
+    from eagle3lib import hidden_states
+    from eagle3lib.config import ExtractConfig
+
+    out = tmp_path_factory.mktemp("fp8_shards")
+    cfg = ExtractConfig(shards=2, batch_tokens=512, storage="fp8")
+    paths = []
+    for i in range(2):
+        paths.append((out / f"shard-{i}.safetensors", out / f"shard-{i}.json"))
+        hidden_states.extract_shard(
+            pipeline["samples"], pipeline["ids"], i, cfg, pipeline["record"], *paths[-1]
+        )
+    return [p for p, _ in paths], [m for _, m in paths]

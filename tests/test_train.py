@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import train_pipeline
 
-from eagle3lib import train
+from eagle3lib import batches, train
 from eagle3lib.errors import UserError
 from eagle3lib.hidden_states import open_shard
 
@@ -52,7 +52,9 @@ def test_rejected_samples_are_not_trained_on(pipeline):
 
 
 def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
-    cfg = pipeline["train_cfg"]
+    from dataclasses import replace
+
+    cfg = replace(pipeline["train_cfg"], loader_threads=1)  # a resource, not an input
     stats = train.train(
         cfg,
         pipeline["record"],
@@ -99,19 +101,108 @@ def test_flex_attention_on_cpu_is_refused():
         train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))
 
 
+class SkipsOneBatch(train.StreamingTrainer):
+    """A mutation of ours: the second batch of the epoch is never trained on."""
+
+    def _device_batches(self, loader):
+        for k, item in enumerate(super()._device_batches(loader)):
+            if k != 1:
+                yield item
+
+
 def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp_path):
-    """Same data, seed and steps: the loss of every step equals speculators' own loop."""
+    """Same data, seed and steps: the loss of every step equals speculators' own loop; a
+    skipped batch or another learning rate moves the losses beyond the bf16 tolerance."""
 
     from speculators.train.trainer import Trainer
 
     curves = {}
-    for name, cls in (("speculators", Trainer), ("streaming", train.StreamingTrainer)):
+    runs = (
+        ("speculators", Trainer, {}),
+        ("streaming", train.StreamingTrainer, {}),
+        ("skips-a-batch", SkipsOneBatch, {}),
+        ("lr-1.5x", train.StreamingTrainer, {"lr": pipeline["train_cfg"].lr * 1.5}),
+    )
+    for name, cls, changes in runs:
         state = tmp_path / name
-        train_pipeline(pipeline, state, trainer_class=cls, epochs=1)
+        train_pipeline(pipeline, state, trainer_class=cls, epochs=1, **changes)
         curves[name] = train.loss_curves(train.read_metrics(state / "m.jsonl"))
+    ref = curves["speculators"]["train_loss"]
     assert len(curves["streaming"]["train_loss"]) >= 3
-    assert curves["streaming"]["train_loss"] == curves["speculators"]["train_loss"]
+    assert curves["streaming"]["train_loss"] == ref
     assert curves["streaming"]["val"] == curves["speculators"]["val"]
+    assert train.max_relative_difference(ref, curves["streaming"]["train_loss"]) == 0
+    for mutant in ("skips-a-batch", "lr-1.5x"):
+        difference = train.max_relative_difference(ref, curves[mutant]["train_loss"])
+        assert difference > train.SAME_TRAINING_BF16_RTOL, mutant
+
+
+def test_max_relative_difference():
+    assert train.max_relative_difference([2.0, 4.0], [2.0, 3.0, 9.0]) == 0.25
+    with pytest.raises(ValueError):
+        train.max_relative_difference([], [1.0])
+
+
+def test_loader_threads_follow_the_threads_granted_per_process():
+    from eagle3lib.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert train.with_loader_threads(cfg, None, 0, 1).loader_threads == 4  # no limit given
+    assert train.with_loader_threads(cfg, 6, 14, 2).loader_threads == 6  # 7 a process
+    assert train.with_loader_threads(cfg, 6, 8, 2).loader_threads == 3  # fewer granted
+    assert train.with_loader_threads(cfg, 6, 2, 4).loader_threads == 1
+    assert train.with_loader_threads(cfg, 0, 8, 1).loader_threads == 0  # one-thread collate
+
+
+def test_ffd_packing_trains(pipeline, tmp_path):
+    """train.packing: ffd reaches the trainer (the sampler's own tests: test_batches.py)."""
+    seen = []
+    real = batches.FirstFitDecreasingSampler._generate_batches
+
+    def recording(self, epoch):
+        seen.append(epoch)
+        return real(self, epoch)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batches.FirstFitDecreasingSampler, "_generate_batches", recording)
+        train_pipeline(pipeline, tmp_path / "s", epochs=1, max_steps=2, packing="ffd")
+    curve = train.loss_curves(train.read_metrics(tmp_path / "s" / "m.jsonl"))
+    assert seen and len(curve["train_loss"]) == 2
+    assert all(math.isfinite(x) for x in curve["train_loss"])
+
+
+def test_training_never_changes_the_drafts_buffers(pipeline, tmp_path):
+    """What lets DDP skip re-sending them every step (StreamingTrainer.ddp_broadcast_buffers)."""
+    seen = {}
+
+    class Recording(train.StreamingTrainer):
+        def run_training(self):
+            seen["before"] = {k: v.clone() for k, v in self.model.named_buffers()}
+            super().run_training()
+            seen["after"] = dict(self.model.named_buffers())
+
+    train_pipeline(pipeline, tmp_path / "s", trainer_class=Recording, epochs=1, max_steps=3)
+    assert {"t2d", "d2t"} <= set(seen["before"])
+    assert seen["before"].keys() == seen["after"].keys()
+    for name, value in seen["before"].items():
+        assert torch.equal(value, seen["after"][name]), name
+
+
+def test_ddp_stops_broadcasting_buffers_when_asked():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(2, 2)
+        module.register_buffer("table", torch.arange(3))
+        ddp = DistributedDataParallel(module)
+        assert ddp.will_sync_module_buffers()
+        train.stop_buffer_broadcast(ddp)
+        assert not ddp.will_sync_module_buffers()
+        ddp(torch.ones(1, 2)).sum().backward()  # still trains
+    finally:
+        dist.destroy_process_group()
 
 
 def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
@@ -284,22 +375,6 @@ def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_
     with pytest.raises(UserError, match=r"shard-0.*\(and 1 more damaged shard\(s\)\)"):
         train.open_verified_shards(shards, manifests, {})
     assert not manifests[0].exists() and not manifests[1].exists()
-
-
-@pytest.fixture(scope="module")
-def fp8_shards(pipeline, tmp_path_factory):
-    from eagle3lib import hidden_states
-    from eagle3lib.config import ExtractConfig
-
-    out = tmp_path_factory.mktemp("fp8_shards")
-    cfg = ExtractConfig(shards=2, batch_tokens=512, storage="fp8")
-    paths = []
-    for i in range(2):
-        paths.append((out / f"shard-{i}.safetensors", out / f"shard-{i}.json"))
-        hidden_states.extract_shard(
-            pipeline["samples"], pipeline["ids"], i, cfg, pipeline["record"], *paths[-1]
-        )
-    return [p for p, _ in paths], [m for _, m in paths]
 
 
 def test_fp8_batches_reach_the_draft_as_the_bf16_batches_quantized(pipeline, fp8_shards):

@@ -1,0 +1,173 @@
+import numpy as np
+import pytest
+import torch
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+from eagle3lib import batches, train
+from eagle3lib.hidden_states import open_shard
+
+
+def loader_over(paths, dtype, storage, max_len, packing="multipack"):
+    shards = [open_shard(p) for p in paths]
+    pairs, _ = train.split_indices(shards, 0.1)
+    ds = train.ShardDataset(paths, pairs, max_len, dtype, storage)
+    return train.make_loader(ds, max_len, 64, 3, seed=0, packing=packing)
+
+
+def assert_same_batch(ours: dict, theirs: dict):
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].dtype == value.dtype and ours[key].shape == value.shape, key
+            assert torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+
+
+@pytest.mark.parametrize(
+    "storage, dtype",
+    [("bf16", torch.bfloat16), ("bf16", torch.float32), ("fp8", torch.float32)],
+    ids=["bf16-bytes", "bf16-to-fp32", "fp8"],
+)
+def test_shard_collator_writes_speculators_collate_output(pipeline, fp8_shards, storage, dtype):
+    """Bit for bit speculators' CollateFn (with shift_batch / shift_fp8_batch) on the same
+    samples: the sampler's batches, an overfull one (last sample truncated), a sample longer
+    than the batch, one sample; all into one reused buffer set (stale bytes would show)."""
+    paths = pipeline["shards"] if storage == "bf16" else fp8_shards[0]
+    max_len = 64
+    loader = loader_over(paths, dtype, storage, max_len)
+    ds = loader.dataset
+    collator = batches.shard_collator(ds, loader.collate_fn, pin=False)
+    assert collator is not None
+    lengths = np.asarray(ds.approx_lengths)
+    longest, shortest = int(lengths.argmax()), int(lengths.argmin())
+    assert lengths[longest] > max_len + 1 > lengths[shortest]
+    cases = [*loader.batch_sampler, [shortest, longest, 0], [longest], [shortest]]
+    buffers = collator.buffers()
+    truncated = 0
+    for indices in cases:
+        theirs = loader.collate_fn([ds[int(i)] for i in indices])
+        ours = collator(indices, buffers)
+        assert_same_batch(ours, theirs)
+        truncated += int((ours["document_ids"] != -1).sum()) < (lengths[indices] - 1).sum()
+    assert truncated >= 2
+
+
+def test_no_shard_collator_where_it_would_differ(pipeline):
+    from speculators.train.data import CollateFn
+
+    loader = loader_over(pipeline["shards"], torch.float32, "bf16", 256)
+    other = CollateFn(256, 64, num_target_layers=3, dtype=torch.float32, preprocess=None)
+    assert batches.shard_collator(loader.dataset, other, pin=False) is None
+    wrong_dtype = CollateFn(
+        256, 64, num_target_layers=3, dtype=torch.bfloat16, preprocess=loader.collate_fn.preprocess
+    )
+    assert batches.shard_collator(loader.dataset, wrong_dtype, pin=False) is None
+
+
+@pytest.mark.parametrize("threads, fast", [(1, True), (3, True), (2, False)])
+def test_threaded_batches_are_the_dataloaders_in_order(pipeline, threads, fast, monkeypatch):
+    """The DataLoader's own batches, in its order; buffers reused (at most depth + 2 sets)
+    once released. Without a ShardCollator (another dataset or collate), the loader's
+    collate itself."""
+    if not fast:
+        monkeypatch.setattr(batches, "shard_collator", lambda *_: None)
+    loader = loader_over(pipeline["shards"], torch.float32, "bf16", 128)
+    loader.batch_sampler.set_epoch(1)
+    expected = list(loader)
+    made = []
+    real = batches.ShardCollator.buffers
+
+    def counting(self):
+        made.append(1)
+        return real(self)
+
+    pipeline_ = batches.ThreadedBatches(loader, threads, depth=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batches.ShardCollator, "buffers", counting)
+        got = 0
+        for (batch, release), theirs in zip(pipeline_, expected, strict=True):
+            assert_same_batch(batch, theirs)
+            release(None)
+            got += 1
+    assert got == len(expected) == len(pipeline_) >= 8
+    assert 1 <= len(made) <= 4 if fast else not made
+
+
+def test_threaded_batches_raise_the_loaders_error_in_the_caller(pipeline, monkeypatch):
+    loader = loader_over(pipeline["shards"], torch.float32, "bf16", 128)
+
+    class Broken(Exception):
+        pass
+
+    def broken(*_):
+        raise Broken("bad sample")
+
+    monkeypatch.setattr(batches.ShardCollator, "__call__", broken)
+    with pytest.raises(Broken):
+        next(iter(batches.ThreadedBatches(loader, 2)))
+
+
+# ---- packing ---------------------------------------------------------------------------------
+
+
+def bench_mix(n=300, seed=0):
+    """bench/train.py's length mix: uniform 256-2048 tokens."""
+    return np.random.default_rng(seed).integers(256, 2049, n)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_ffd_packs_every_sample_once_whole_and_deterministically(replicas):
+    lengths = np.concatenate([bench_mix(301), [2049, 2048, 1]])  # whole after the shift too
+    per_rank = []
+    for rank in range(replicas):
+        sampler = batches.make_sampler("ffd", lengths, 2048, replicas, rank, seed=7)
+        again = batches.make_sampler("ffd", lengths, 2048, replicas, rank, seed=7)
+        epoch0, epoch1 = sampler._generate_batches(0), sampler._generate_batches(1)
+        assert [b.tolist() for b in epoch0] == [b.tolist() for b in again._generate_batches(0)]
+        assert [b.tolist() for b in epoch0] != [b.tolist() for b in epoch1]
+        per_rank.append(epoch0)
+        for batch in epoch0:
+            assert (lengths[batch] - 1).sum() <= 2048  # nothing truncated by the collate
+    assert len({len(b) for b in per_rank}) == 1  # every rank the same number of steps
+    seen = np.concatenate([b for rank in per_rank for b in rank])
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+
+
+def test_ffd_splits_batches_for_the_ranks_and_drops_only_lone_remainders():
+    # 5 samples that each fill a batch, 2 ranks: speculators would drop 1 sample, so do we
+    alone = np.full(5, 2049)
+    got = [batches.make_sampler("ffd", alone, 2048, 2, r, 0)._generate_batches(0) for r in (0, 1)]
+    assert [len(g) for g in got] == [2, 2]
+    # 3 batches' worth of small samples over 2 ranks: one batch is split, nothing dropped
+    small = np.full(12, 513)
+    got = [batches.make_sampler("ffd", small, 2048, 2, r, 0)._generate_batches(0) for r in (0, 1)]
+    assert [len(g) for g in got] == [2, 2]
+    assert sorted(np.concatenate(got[0] + got[1]).tolist()) == list(range(12))
+
+
+def test_ffd_fills_batches_fuller_than_speculators_multipack():
+    """On the bench's mix: speculators' sampler leaves about a quarter of 2048 positions
+    empty; best-fit decreasing windows fill over 90 % (and at 8192 nearly all)."""
+    lengths = bench_mix(400)
+    speculators_fill = batches.pack_fill("multipack", lengths, 2048)
+    ffd_fill = batches.pack_fill("ffd", lengths, 2048)
+    assert speculators_fill < 0.8 and ffd_fill > 0.9
+    assert batches.pack_fill("ffd", lengths, 8192) > batches.pack_fill("multipack", lengths, 8192)
+    assert batches.pack_fill("ffd", lengths, 2048, replicas=2) > 0.9
+    # pack_fill counts what speculators' own sampler gives
+    sampler = MultipackDistributedBatchSamplerV2(2048, lengths, 1, 0, seed=0)
+    tokens = sum(batches.real_tokens(sampler._generate_batches(0), lengths, 2048))
+    assert speculators_fill == tokens / (2048 * len(sampler))
+
+
+def test_ffd_supports_speculators_resume_skip_and_max_batches():
+    lengths = bench_mix(100)
+    sampler = batches.make_sampler("ffd", lengths, 2048, 1, 0, 0)
+    sampler.set_epoch(2)
+    full = [b.tolist() for b in sampler]
+    assert len(sampler) == len(full)
+    sampler._cached_generated_batches = (2, sampler._generate_batches(2)[3:])  # what it does
+    assert [b.tolist() for b in sampler] == full[3:]
+    capped = batches.FirstFitDecreasingSampler(2048, lengths, 1, 0, seed=0, max_batches=4)
+    assert len(capped) == 4

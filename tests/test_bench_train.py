@@ -1,0 +1,53 @@
+"""bench/train.py's summary: which runs pair up and what the keys report."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name, tokens_per_s, wait=None):
+    return {"name": name, "tokens_per_s": tokens_per_s, "data_wait_fraction": wait}
+
+
+def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(bench):
+    results = []
+    for k in range(3):  # three rounds, interleaved as --repeat 3 runs them
+        results += [
+            run("ours", [46000, 40000, 45000][k], 0.001),
+            run("speculators_w0", 23000),
+            run("speculators_w4", [26000, 25000, 27000][k]),
+            run("speculators_w12", 25200),
+            run("ours_muon", [30000, 31000, 29000][k]),
+            run("speculators_cli", 15500),
+            run("ours+contend", [44000, 43000, 45000][k], [0.01, 0.015, 0.012][k]),
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    assert summary["speculators_best"] == "speculators_w4"
+    best = summary["speedup_vs_speculators"]
+    assert best["pairs"] == [round(46000 / 26000, 3), 1.6, round(45000 / 27000, 3)]
+    assert best["min"] == 1.6 and best["median"] == round(45000 / 27000, 3)
+    assert "train.h200.speedup_vs_speculators = 1.600" in lines
+    assert "train.h200.muon.speedup_vs_speculators_cli = 1.871" in lines  # 29000 / 15500
+    assert "train.h200.tokens_per_s = 45000" in lines  # the median ours run
+    assert "train.h200.contended.tokens_per_s = 44000" in lines
+    assert "train.h200.contended.data_wait_fraction = 0.0150 (max)" in lines
+    assert "train.h200.contended.vs_quiet = 0.978" in lines
+
+
+def test_contend_modifier_names_a_known_variant(bench):
+    assert bench.variant("ours+contend") == bench.VARIANTS["ours"]
+    assert bench.variant("speculators_cli").optimizer == "muon"
+    assert bench.VARIANTS["ours_muon"].log_every == 10  # the workflow's default
