@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--prompts", type=Path, required=True)
     p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
     p.add_argument(
-        "--evaluate", required=True, help="the config's evaluate section (k, max_new_tokens)"
+        "--evaluate", required=True, help="the config's evaluate section (k, max_new_tokens, dtype)"
     )
     p.add_argument("--vllm", required=True, help="the config's vllm section as JSON")
     p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
@@ -40,10 +40,11 @@ def main() -> None:
     record = read_json(a.verifier)
     evaluate = json.loads(a.evaluate)
     engine = json.loads(a.vllm)
-    if not engine.get("dtype"):  # the offline evaluator's numerics, so the two compare
-        import torch
+    import torch
 
-        engine["dtype"] = "bfloat16" if torch.cuda.is_available() else "float32"
+    engine["dtype"] = serve.compute_dtype(
+        engine.get("dtype"), evaluate.get("dtype", "auto"), torch.cuda.is_available()
+    )
     tokenizer = AutoTokenizer.from_pretrained(
         record["load_path"], trust_remote_code=record["trust_remote_code"]
     )

@@ -620,6 +620,17 @@ CASES = [
          "config key verifier: 'path' is a required property", "add it"),
     Case("config-duplicate-aux-layers", _set("extract", "aux_layers", [3, 3, 5]),
          "config key extract.aux_layers: duplicate layer id(s) [3]", "list each layer once"),
+    Case("gate-for-an-unknown-eval-set",
+         _set("validate", "min_acceptance_length", {"mt-bench": {3: 2.0}}),
+         "config key validate.min_acceptance_length.mt-bench: no eval set has this name",
+         "use one of those names or remove the entry"),
+    Case("gate-for-a-k-not-evaluated", _set("validate", "min_acceptance_length", {"eval": {5: 2.0}}),
+         "config key validate.min_acceptance_length.eval.5: evaluate.k is 3",
+         "gate a k that evaluate.k lists, or add 5 to it"),
+    Case("gate-above-what-k-can-reach",
+         _set("validate", "min_acceptance_length", {"eval": {"3": 4.5}}),
+         "config key validate.min_acceptance_length.eval.3: 4.5 is above 4",
+         "use a value up to 4"),
 ]  # fmt: skip
 
 
