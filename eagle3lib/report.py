@@ -128,11 +128,12 @@ ARGMAX_AGREEMENT_MIN = 0.99
 
 
 # serve_check against the offline evaluator, the same prompts and k (the headline set's first
-# k) and the same greedy text: on CPU the two agree exactly (tests/test_vllm.py, the demo). A
-# draft served otherwise than it was evaluated moves them far more: other aux layers take the
-# acceptance length towards 1, a smaller served k zeroes the later positions, a larger one adds
-# accepted tokens. Near-tied greedy tokens that bf16 kernels decide differently could move them
-# a little on GPUs (not measured here).
+# k) and the same greedy text: on CPU they agree within a third of the tolerances below
+# (tests/test_vllm.py; the demo gave 1.297 in both). A draft served otherwise than it was
+# evaluated moves them far more: other aux layers take the acceptance length towards 1, a
+# smaller served k zeroes the later positions, a larger one adds accepted tokens. Near-tied
+# greedy tokens that bf16 kernels decide differently could move them a little on GPUs (not
+# measured here).
 VLLM_MAX_RELATIVE_DIFFERENCE = 0.03  # of the acceptance length (offline / vLLM - 1)
 VLLM_MAX_POSITION_DIFFERENCE = 0.05  # of any position's acceptance rate, absolute
 
