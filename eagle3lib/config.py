@@ -190,7 +190,57 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
             )
     if not messages and isinstance(config.get("extract"), dict):
         messages += aux_layer_errors(config["extract"].get("aux_layers"))
+    if not messages:
+        messages += acceptance_gate_errors(config, schema)
     return messages
+
+
+def acceptance_gate(gate: dict[str, dict[Any, float]] | None) -> dict[str, dict[str, float]]:
+    """validate.min_acceptance_length with every k as a string (YAML gives 3 or "3"), sorted;
+    null is no gate."""
+    return {
+        name: {str(k): float(v) for k, v in sorted(per_k.items(), key=lambda kv: int(kv[0]))}
+        for name, per_k in sorted((gate or {}).items())
+    }
+
+
+def acceptance_gate_errors(config: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """A gate (validate.min_acceptance_length) for a set or k that evaluate does not measure,
+    or one that no draft can pass; checked at planning, defaults taken from the schema."""
+    gate = (config.get("validate") or {}).get("min_acceptance_length") or {}
+    key = "config key validate.min_acceptance_length"
+    data = config["data"]
+    default_name = schema["$defs"]["eval_set"]["properties"]["name"]["default"]
+    names = [s.get("name", default_name) for s in [data["eval"], *data.get("extra_eval", [])]]
+    k = (config.get("evaluate") or {}).get(
+        "k", schema["properties"]["evaluate"]["properties"]["k"]["default"]
+    )
+    ks = [k] if isinstance(k, int) else list(k)
+    errors = []
+    for name, per_k in gate.items():
+        if name not in names:
+            errors.append(
+                f"{key}.{name}: no eval set has this name (data.eval and data.extra_eval: "
+                f"{', '.join(names)}); use one of those names or remove the entry"
+            )
+            continue
+        seen: set[int] = set()
+        for k_key, minimum in per_k.items():
+            k_value = int(k_key)
+            if k_value in seen:
+                errors.append(f"{key}.{name}.{k_key}: k={k_value} is given twice; keep one")
+            seen.add(k_value)
+            if k_value not in ks:
+                errors.append(
+                    f"{key}.{name}.{k_key}: evaluate.k is {k}, so no acceptance at k={k_value} "
+                    f"is measured; gate a k that evaluate.k lists, or add {k_value} to it"
+                )
+            elif minimum > 1 + k_value:
+                errors.append(
+                    f"{key}.{name}.{k_key}: {minimum} is above {1 + k_value}, the most a draft "
+                    f"proposing {k_value} tokens a step can reach; use a value up to {1 + k_value}"
+                )
+    return errors
 
 
 # What to do about a schema violation, by the JSON-schema keyword that failed.

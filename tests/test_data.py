@@ -205,14 +205,24 @@ def test_tokenizer_without_chat_template_is_an_error(tokenizer, tmp_path):
 
 
 def test_eval_prompts_are_held_out_of_training(tokenizer, tmp_path):
+    """A conversation whose user turn holds an eval prompt (here inside a longer turn) is
+    dropped and counted for the eval set (file) it overlaps; eagle3lib/leakage.py's own tests
+    cover what counts as overlap."""
+    from eagle3lib.leakage import EvalPromptIndex
+
     records = tiny.conversations(4, fmt="openai")
     first_user = records[1]["messages"][0]["content"]
+    records[1]["messages"][0]["content"] = f"Please: {first_user.upper()}!"
     path = tiny.write_jsonl(tmp_path / "train.jsonl", records)
-    prepared = data.prepare_samples(
-        tokenizer, path, PrepareConfig(), exclude_prompts={data.normalize_prompt_text(first_user)}
-    )
+    held_out = EvalPromptIndex.build([["an unrelated question of another set"], [first_user]])
+    prepared = data.prepare_samples(tokenizer, path, PrepareConfig(), held_out)
     assert prepared.summary["dropped"] == {"eval_prompt_overlap": 1}
-    assert "c1" not in prepared.ids
+    assert prepared.ids == ["c0", "c2", "c3"]
+    assert prepared.summary["eval_overlap"] == {
+        "ngram": 8,
+        "min_containment": 0.7,
+        "dropped_per_eval_file": [0, 1],
+    }
 
 
 def test_eval_prompt_formats(tmp_path):

@@ -26,10 +26,36 @@ def test_preset_plans_every_stage_with_its_gpus(preset, tmp_path):
     assert all(f"gpu={config['extract']['gpus_per_job']}" in b for b in extract_blocks)
 
 
+PRESET_GATE = {"mtbench": {"3": 2.398, "5": 2.754}, "humaneval": {"3": 2.738, "5": 3.302}}
+OVERLAY_GATES = {
+    "cpu-slice": {},  # null: a draft of six conversations is not gated
+    "no-regen": {"mtbench": {"3": 2.403, "5": 2.748}, "humaneval": {"3": 2.678, "5": 3.179}},
+    "regen-2-gpus": PRESET_GATE,
+}
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_GATES))
+def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
+    """Config files merge mapping by mapping (snakemake's update_config), so an overlay's
+    validate.min_acceptance_length changes the preset's entries, or removes the gate (null)."""
+    from snakemake.utils import update_config
+
+    from eagle3lib.config import acceptance_gate, config_errors
+
+    config = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == PRESET_GATE
+    update_config(
+        config, yaml.safe_load((ROOT / "configs/overlays" / f"{overlay}.yaml").read_text())
+    )
+    assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
+
+
 @pytest.mark.slow
 def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
     """configs/smollm2-gpu.yaml end to end on the CPU, cut by configs/overlays/cpu-slice.yaml:
-    the real verifier, regeneration, both eval sets (MT-bench, HumanEval) at k = 3 and 5."""
+    the real verifier, regeneration, the three eval sets (MT-bench, HumanEval, IFBench) at
+    k = 3 and 5, and no acceptance gate (the overlay turns the preset's off)."""
     import json
 
     preset = ROOT / "configs" / "smollm2-gpu.yaml"
@@ -48,10 +74,19 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
         ("mtbench", 5, 2),
         ("humaneval", 3, 2),
         ("humaneval", 5, 2),
+        ("ifbench", 3, 2),
+        ("ifbench", 5, 2),
     ]
     for r in acceptance["results"]:
         assert r["steps"] > 0 and 1.0 <= r["acceptance_length"] <= 1 + r["k"]
         assert len(r["per_position_acceptance"]) == r["k"]
     summary = (results / "reports" / "summary.md").read_text()
     assert "| humaneval | 5 |" in summary  # the report's table of every eval set and k
-    assert json.loads((results / "reports" / "summary.json").read_text())["valid"] is True
+    assert "| ifbench | 3 |" in summary
+    report = json.loads((results / "reports" / "summary.json").read_text())
+    assert report["valid"] is True and report["min_acceptance_length"] == {}
+    assert report["data"]["eval_overlap"]["dropped_per_eval_set"] == {
+        "mtbench": 0,
+        "humaneval": 0,
+        "ifbench": 0,
+    }

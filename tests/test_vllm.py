@@ -65,13 +65,20 @@ def test_vllm_loads_the_checkpoint_and_measures_acceptance(served):
     assert v["vllm_version"] == "0.32.0"
 
 
-def test_offline_acceptance_agrees_with_vllm_within_five_percent(served):
+def test_offline_acceptance_agrees_with_vllm_within_the_validation_tolerance(served):
+    """Validation compares the two (eagle3lib/report.py vllm_problems; tests/test_report.py
+    shows it flags a divergence): here they agree well inside its tolerances."""
+    from eagle3lib.report import VLLM_MAX_POSITION_DIFFERENCE, VLLM_MAX_RELATIVE_DIFFERENCE
+
     _, results, _ = served
     offline = json.loads((results / "reports" / "acceptance.json").read_text())
     v = json.loads((results / "reports" / "vllm_acceptance.json").read_text())
-    assert offline["acceptance_length"] == pytest.approx(v["acceptance_length"], rel=0.05)
+    assert (v["k"], v["prompts"]) == (offline["k"], offline["prompts"])
     summary = json.loads((results / "reports" / "summary.json").read_text())
-    assert abs(summary["vllm"]["offline_vs_vllm_relative_difference"]) <= 0.05
+    relative = summary["vllm"]["offline_vs_vllm_relative_difference"]
+    position = summary["vllm"]["offline_vs_vllm_max_position_difference"]
+    assert abs(relative) <= VLLM_MAX_RELATIVE_DIFFERENCE / 3, (relative, offline, v)
+    assert position <= VLLM_MAX_POSITION_DIFFERENCE / 3, (position, offline, v)
     assert summary["valid"] is True
 
 

@@ -19,7 +19,15 @@ EXTRACT_RULES = {"verifier", "prepare", "extract"}
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory, verifier_dir):
     root = tmp_path_factory.mktemp("workflow")
-    train = tiny.write_jsonl(root / "train.jsonl", tiny.conversations(30, seed=7))
+    # the 31st conversation asks an eval prompt inside a longer turn: prepare drops it
+    leak = {
+        "id": "leak",
+        "conversations": [
+            {"from": "human", "value": "One more thing: WHY is it fast? Thanks."},
+            {"from": "gpt", "value": "It is fast because the draft is small."},
+        ],
+    }
+    train = tiny.write_jsonl(root / "train.jsonl", [*tiny.conversations(30, seed=7), leak])
     prompts = [
         {"question_id": i, "turns": [t, "and then?"]}
         for i, t in enumerate(["Tell me about the model", "Write three numbers", "Why is it fast"])
@@ -66,6 +74,16 @@ def test_first_run_builds_checkpoint_and_report(ws):
     for entry in summary["gpu_memory"].values():
         assert entry["available"] is False and entry["reason"].startswith("no NVIDIA device")
     assert summary["data"]["samples"] == 30 and summary["hidden_states"]["shards"] == 2
+    assert summary["data"]["dropped"] == {"eval_prompt_overlap": 1}
+    assert summary["data"]["eval_overlap"] == {
+        "ngram": 8,
+        "min_containment": 0.7,
+        "dropped_per_eval_set": {"eval": 1},
+    }
+    markdown = (ws.results / "reports" / "summary.md").read_text()
+    assert "| training conversations dropped as holding an eval prompt" in markdown
+    assert "| eval 1 |" in markdown
+    assert summary["min_acceptance_length"] == {}
     assert summary["valid"] is True and summary["problems"] == []
     assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
     for png in ("acceptance.png", "loss.png"):
@@ -253,6 +271,36 @@ def test_a_failing_train_job_fails_the_workflow_with_its_error_in_the_log(ws):
     assert "error: config key train.attention: flex attention has no backward pass" in log
     assert not (ws.results / "checkpoint" / "model.safetensors").exists()
     ws.write(train={"attention": "auto"})
+
+
+def test_acceptance_gate_fails_the_build_naming_set_k_and_both_numbers(ws):
+    """validate.min_acceptance_length: a gate for a k that evaluate does not measure stops the
+    run at planning; one above the draft's acceptance fails validate (only the report and
+    validate rerun), naming the set, k, the measured and the required length."""
+    ws.write(validate={"min_acceptance_length": {"eval": {4: 2.0}}})
+    out = ws.run("--dry-run", check=False)
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: config key validate.min_acceptance_length.eval.4: evaluate.k is 3, so no "
+        "acceptance at k=4 is measured; gate a k that evaluate.k lists, or add 4 to it"
+    ]
+    assert "Traceback" not in out
+    ws.write(validate={"min_acceptance_length": {"eval": {3: 3.99}}})
+    try:
+        out = ws.run(check=False)
+        assert set(job_counts(out)) - {"all"} == {"report", "validate"}
+        measured = json.loads((ws.results / "reports" / "summary.json").read_text())
+        problem = (
+            f"acceptance (eval k=3): acceptance length {measured['acceptance_length']:.4f} is "
+            "below validate.min_acceptance_length 3.99"
+        )
+        assert measured["problems"] == [problem] and measured["valid"] is False
+        log = (ws.results / "logs" / "validate.log").read_text()
+        summary = ws.results.relative_to(ws.dir) / "reports" / "summary.json"
+        assert f"error: {summary}: 1 problem(s): {problem}" in log
+        assert not (ws.results / "reports" / "validation.txt").exists()
+    finally:
+        ws.write(validate={"min_acceptance_length": {"eval": {3: 1.0}}})  # passes: the next run
 
 
 def test_changing_a_training_hyperparameter_retrains_without_extracting(ws):
