@@ -38,6 +38,7 @@ from test_bad_input import leftovers, one_error_line, run_main
 from eagle3lib import preflight
 from eagle3lib.config import config_errors, resolve_data_path
 from eagle3lib.errors import UserError
+from eagle3lib.fileio import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "rules" / "schemas" / "config.schema.yaml"
@@ -465,3 +466,60 @@ def one_error_line_anywhere(terminal: str) -> str:
     errors = [line for line in terminal.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, terminal
     return errors[0]
+
+
+# ---- the good case: a local .gguf file as verifier.path --------------------------------------
+
+
+def test_a_local_gguf_is_converted_and_identified_by_its_content(
+    gguf, verifier_model, tokenizer, tmp_path
+):
+    """A local GGUF file is checked whole, hashed and converted (as a packaged one) into an HF
+    folder that computes what the model it was written from computes; planning reads the same
+    facts from its header as the record holds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3lib.verifier import materialize
+
+    record = materialize(str(gguf), None, tmp_path / "hf")
+    assert record["kind"] == "gguf" and record["load_path"] == str(tmp_path / "hf")
+    assert record["name"] == "tiny-llama"
+    assert record["gguf"] == {
+        "file": gguf.name,
+        "bytes": gguf.stat().st_size,
+        "sha256": sha256_file(gguf),
+    }
+    facts = preflight.verifier_facts(str(gguf), tmp_path / "no-record.json")
+    assert facts == preflight.VerifierFacts(str(gguf), 8, 64, 400, 2048)
+    assert facts == preflight.facts_from_record(record, str(gguf))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode("Tell me about the draft model")])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, verifier_model(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("a draft") == tokenizer.encode(
+        "a draft"
+    )
+
+
+@pytest.mark.slow
+def test_a_local_gguf_verifier_in_the_workflow(gguf, tmp_path, tmp_path_factory):
+    """verifier.path: models/tiny-llama.gguf (relative) in a real run: converted once under
+    results/<run>/verifier/hf; a file with other content under the same name reruns it."""
+    from conftest import job_counts, run_snakemake
+
+    (tmp_path / "models").mkdir()
+    shutil.copy2(gguf, tmp_path / "models" / "tiny-llama.gguf")
+    env = Env(tmp_path, Path("models/tiny-llama.gguf"), gguf)
+    config = env.write_config()
+    target = "results/t/verifier/verifier.json"
+    run_snakemake(tmp_path, config, target)
+    record = json.loads((tmp_path / target).read_text())
+    assert record["kind"] == "gguf" and record["load_path"] == "hf"  # inside the run folder
+    assert (tmp_path / "results/t/verifier/hf/model.safetensors").is_file()
+    assert record["gguf"]["sha256"] == sha256_file(tmp_path / "models" / "tiny-llama.gguf")
+    assert "Nothing to be done" in run_snakemake(tmp_path, config, target, "-n").stdout
+    other = tiny.build_verifier(tmp_path_factory.mktemp("other") / "tiny-llama", seed=1)
+    tiny.build_gguf(tmp_path / "models" / "tiny-llama.gguf", other)
+    plan = run_snakemake(tmp_path, config, target, "-n")
+    assert job_counts(plan.stdout) == {"verifier": 1}
