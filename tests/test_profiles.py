@@ -140,7 +140,9 @@ def test_workstation_profile_dry_run_shows_gpu_resources_and_caps_them(workspace
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert re.search(rf"Using profile {WORKSTATION} and workflow specific profile \S*default ", out)
+    assert re.search(
+        rf"Using profiles {WORKSTATION} and workflow specific profile \S*default ", out
+    )
     # the shards' size is known before anything runs (tiny verifier: 4 slots of 64)
     assert "hidden states: 517 bytes a token (4 slots of 64 in bf16; extract.storage: fp8" in out
     jobs = job_resources(out)
@@ -257,7 +259,7 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert re.search(rf"Using profile {SLURM} and workflow specific profile \S*default ", out)
+    assert re.search(rf"Using profiles {SLURM} and workflow specific profile \S*default ", out)
     assert "SLURM run ID" in out
 
     calls = [json.loads(line) for line in (stubs / "calls.jsonl").read_text().splitlines()]
