@@ -45,6 +45,11 @@ def resolve_data_path(spec: str, key: str) -> Path:
     if spec.startswith(PACKAGE_PREFIX):
         return resolve_package_path(spec, key)
     path = Path(spec)
+    if path.is_dir():
+        raise UserError(
+            f"config key {key}: {spec!r} is a folder, not a file; point {key} at a JSON or "
+            "JSONL file"
+        )
     if not path.is_file():
         raise UserError(
             f"config key {key}: file {spec!r} does not exist; fix the path (relative paths "
@@ -94,6 +99,40 @@ def aux_layer_errors(aux_layers: Any) -> list[str]:
             "to the verifier's num_hidden_layers - 1"
         )
     return errors
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """speculators' default auxiliary layers."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
+    """Validate the aux layer ids (distinct, in [0, L-1]); None picks speculators' default."""
+    if aux_layers is None:
+        ids = default_aux_layers(num_layers)
+        if len(set(ids)) != len(ids) or min(ids) < 0:
+            raise UserError(
+                f"config key extract.aux_layers: the default {ids} is invalid for a verifier with "
+                f"{num_layers} layers; set extract.aux_layers to distinct ids in [0, {num_layers - 1}]"
+            )
+        return ids
+    ids = [int(k) for k in aux_layers]
+    if not ids:
+        raise UserError(
+            "config key extract.aux_layers: empty list; give at least one layer id (or null)"
+        )
+    if len(set(ids)) != len(ids):
+        raise UserError(
+            f"config key extract.aux_layers: duplicate layer ids in {ids}; list each layer once"
+        )
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise UserError(
+            f"config key extract.aux_layers: layer id(s) {bad} out of range [0, {num_layers - 1}] "
+            f"for a verifier with {num_layers} layers (the final layer is always added); use ids "
+            f"from 0 to {num_layers - 1}"
+        )
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)

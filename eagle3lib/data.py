@@ -378,7 +378,9 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
         if not isinstance(record, dict):
-            raise UserError(f"{path}:{lineno}: a prompt record must be a JSON object")
+            raise UserError(
+                f"{path}:{lineno}: a prompt record must be a JSON object; fix or remove the line"
+            )
         rid = str(record.get("question_id", record.get("task_id", record.get("id", lineno))))
         if isinstance(record.get("turns"), list) and record["turns"]:
             text = record["turns"][0]
@@ -394,13 +396,19 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
                 ) from None
             users = [m["content"] for m in messages if m["role"] == "user"]
             if not users:
-                raise UserError(f"{path}:{lineno}: conversation has no user turn to use as prompt")
+                raise UserError(
+                    f"{path}:{lineno}: conversation has no user turn to use as prompt; add one "
+                    "or remove the line"
+                )
             text = users[0]
         if not isinstance(text, str) or not text.strip():
-            raise UserError(f"{path}:{lineno}: empty prompt")
+            raise UserError(f"{path}:{lineno}: empty prompt; write the prompt or remove the line")
         prompts.append({"id": rid, "text": text})
     if not prompts:
-        raise UserError(f"{path}: no evaluation prompts found")
+        raise UserError(
+            f"{path}: no evaluation prompts found; add prompt records ({{turns}}, {{prompt}} or "
+            "a conversation) or point the eval set at another file"
+        )
     return prompts
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3lib.config import default_aux_layers, resolve_aux_layers  # noqa: F401 - re-exported
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, sha256_bytes, sha256_file, sha256_json
 from eagle3lib.shards import SHARD_FORMAT, STORAGE_DTYPES, ShardLayout  # noqa: F401 - re-exported
@@ -70,35 +71,6 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if values.dtype == torch.uint8:
         values = values.view(FP8)
     return (values.float() * scales.unsqueeze(-1)).to(dtype)
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """speculators' default auxiliary layers."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def resolve_aux_layers(aux_layers: Sequence[int] | None, num_layers: int) -> list[int]:
-    """Validate the aux layer ids (distinct, in [0, L-1]); None picks speculators' default."""
-    if aux_layers is None:
-        ids = default_aux_layers(num_layers)
-        if len(set(ids)) != len(ids) or min(ids) < 0:
-            raise UserError(
-                f"config key extract.aux_layers: the default {ids} is invalid for a verifier with "
-                f"{num_layers} layers; set extract.aux_layers to distinct ids in [0, {num_layers - 1}]"
-            )
-        return ids
-    ids = [int(k) for k in aux_layers]
-    if not ids:
-        raise UserError("config key extract.aux_layers: give at least one layer id (or null)")
-    if len(set(ids)) != len(ids):
-        raise UserError(f"config key extract.aux_layers: duplicate layer ids in {ids}")
-    bad = [k for k in ids if not 0 <= k < num_layers]
-    if bad:
-        raise UserError(
-            f"config key extract.aux_layers: layer id(s) {bad} out of range [0, {num_layers - 1}] "
-            f"for a verifier with {num_layers} layers (the final layer is always added)"
-        )
-    return ids
 
 
 class Capture:

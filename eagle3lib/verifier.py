@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 from eagle3lib.config import PACKAGE_PREFIX, resolve_package_path
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, read_json, sha256_bytes, sha256_file, sha256_json
+from eagle3lib.modelfiles import read_gguf_header, safetensors_problem
 
 # Hash weight files in full up to this total size; above it hash the safetensors headers
 # (tensor names, dtypes, shapes, offsets) and file sizes, which is fast for terabyte models.
@@ -30,7 +32,106 @@ def text_config(config):
 
 
 def is_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../")) or Path(path).exists()
+    return path.startswith(("/", "./", "../")) or Path(path).exists() or is_gguf_file(path)
+
+
+def is_gguf_file(path: str) -> bool:
+    """verifier.path names a local GGUF file (a hub id never ends in .gguf: transformers loads
+    no GGUF from a hub id without its file name)."""
+    return not path.startswith(PACKAGE_PREFIX) and path.lower().endswith(".gguf")
+
+
+def gguf_file(path: str) -> Path | None:
+    """The GGUF file of verifier.path (packaged or local), or None for a folder or hub id.
+    The file must exist and be named *.gguf."""
+    if path.startswith(PACKAGE_PREFIX):
+        gguf = resolve_package_path(path, "verifier.path")
+        if gguf.suffix.lower() != ".gguf":
+            raise UserError(
+                f"config key verifier.path: {path!r} is not a .gguf file; name a GGUF file "
+                "inside the package (package:<module>/<file>.gguf)"
+            )
+        return gguf
+    return Path(path) if is_gguf_file(path) else None
+
+
+def local_path_problem(path: str) -> str | None:
+    """What is wrong with a local verifier.path (a folder or a .gguf file) before anything is
+    read from it, one line with the remedy; None when it is a folder with a config.json or an
+    existing GGUF file (and for package: references and hub ids)."""
+    if path.startswith(PACKAGE_PREFIX) or not is_local(path):
+        return None
+    where = Path(path)
+    fix = "fix the path (relative paths start at the working directory)"
+    if is_gguf_file(path):
+        if where.is_file():
+            return None
+        what = "is a folder, not a GGUF file" if where.is_dir() else "does not exist"
+        return f"config key verifier.path: {path!r} {what}; {fix}"
+    if not where.exists():
+        return (
+            f"config key verifier.path: folder {path!r} does not exist; {fix}, or give a hub "
+            "id or a .gguf file"
+        )
+    if not where.is_dir():
+        return (
+            f"config key verifier.path: {path!r} is a file, not a model folder; point it at "
+            "the folder that holds the model's config.json, or at a .gguf file"
+        )
+    if not (where / "config.json").is_file():
+        ggufs = sorted(where.glob("*.gguf"))
+        hint = f"; it holds {ggufs[0].name}: point verifier.path at that file" if ggufs else ""
+        return (
+            f"config key verifier.path: {path!r} is not a model folder (no config.json); "
+            f"point it at a Hugging Face model folder or a hub id{hint}"
+        )
+    return None
+
+
+def config_json_problem(config_path: Path) -> str | None:
+    """Why a local verifier's config.json is not a model's config (unparsable, not an object,
+    nothing that names a model type), or None."""
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return f"{config_path}: not UTF-8 text; fix or replace its config.json"
+    except json.JSONDecodeError as exc:
+        return (
+            f"{config_path}:{exc.lineno}: invalid JSON ({exc.msg}); fix or replace its config.json"
+        )
+    if not isinstance(data, dict):
+        return f"{config_path}: not a JSON object; fix or replace its config.json"
+    if not any(key in data for key in ("model_type", "architectures", "text_config")):
+        return (
+            f"{config_path}: not a model's config (no model_type); point verifier.path at the "
+            "model's own folder, or fix or replace its config.json"
+        )
+    return None
+
+
+def weights_problem(folder: Path) -> str | None:
+    """A local verifier's weight files that cannot be whole: a safetensors file cut short or
+    corrupt, or a file its index names that is missing; None when all are there."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{index}: unreadable weight index; fix or replace it"
+        missing = sorted(n for n in names if not (folder / n).is_file())
+        if missing:
+            return (
+                f"{index}: names {len(missing)} missing weight file(s) ({missing[0]}, ...); "
+                "copy the model folder again, complete"
+            )
+    for f in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem:
+            return (
+                f"{f}: truncated or corrupt safetensors file ({problem}); download or copy "
+                "the model again"
+            )
+    return None
 
 
 def weight_files(folder: Path) -> tuple[list[Path], list[Path]]:
@@ -65,10 +166,16 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except ValueError as exc:  # e.g. an architecture transformers cannot read from GGUF
+        raise UserError(
+            f"{gguf}: transformers cannot convert this GGUF file ({_first_line(exc)}); "
+            "convert the model to a Hugging Face folder and point verifier.path at it"
+        ) from None
     # transformers refuses to save a GGUF-loaded model; the weights are plain tensors now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -79,9 +186,18 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# A quantisation suffix of a GGUF file name: model.Q4_K_M.gguf, model-f16.gguf
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
 def default_name(path: str) -> str:
-    if path.startswith(PACKAGE_PREFIX):
-        return Path(path).stem.split(".")[0]
+    if path.startswith(PACKAGE_PREFIX) or is_gguf_file(path):
+        return _QUANT_SUFFIX.sub("", Path(path).name[: -len(".gguf")])
     return Path(path).name if is_local(path) else path
 
 
@@ -110,17 +226,31 @@ def custom_code_refused(path: str, model_type: str | None) -> UserError:
 def read_config(path: str, load_path: str, trust_remote_code: bool):
     """(config, whether the verifier's own code is used) of the verifier. With
     trust_remote_code transformers prefers a verifier's code over its own classes."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
 
+    local_config = Path(load_path) / "config.json"
+    if local_config.is_file():
+        problem = config_json_problem(local_config)
+        if problem:
+            raise UserError(problem)
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(load_path)
         if needs_custom_code(config_dict) and not trust_remote_code:
             raise custom_code_refused(path, config_dict.get("model_type"))
         config = AutoConfig.from_pretrained(load_path, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
         if "trust_remote_code" in str(exc):
             raise custom_code_refused(path, None) from None
-        raise UserError(f"verifier {path!r}: cannot read its config ({exc})") from None
+        if local_config.is_file():
+            raise UserError(
+                f"{local_config}: not a valid model config ({_first_line(exc)}); fix or replace "
+                "its config.json"
+            ) from None
+        raise UserError(
+            f"verifier {path!r}: cannot read its config ({_first_line(exc)}); use a local "
+            "model folder or a hub id whose config transformers reads"
+        ) from None
     except OSError as exc:
         local_config = Path(load_path) / "config.json"
         if local_config.is_file():  # there, but transformers cannot parse it
@@ -144,20 +274,23 @@ def materialize(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
-    """Make the verifier loadable and return its identity record."""
-    if path.startswith(PACKAGE_PREFIX):
-        gguf = resolve_package_path(path, "verifier.path")
-        if gguf.suffix != ".gguf":
-            raise UserError(f"config key verifier.path: {path!r} is not a .gguf file")
+    """Make the verifier loadable and return its identity record. A GGUF file (packaged or
+    local) is checked whole, hashed, then converted once to ``hf_dir``; a local folder's
+    config.json and weight files are checked before anything loads them."""
+    problem = local_path_problem(path)
+    if problem:
+        raise UserError(problem)
+    gguf = gguf_file(path)
+    source = None
+    if gguf is not None:
+        header = read_gguf_header(gguf)  # a truncated or corrupt file stops here, in one line
+        source = {"file": gguf.name, "bytes": header.file_bytes, "sha256": sha256_file(gguf)}
         convert_gguf(gguf, hf_dir)
         load_path, kind = str(hf_dir), "gguf"
     elif is_local(path):
-        folder = Path(path)
-        if not (folder / "config.json").is_file():
-            raise UserError(
-                f"config key verifier.path: {path!r} is not a model folder (no config.json); "
-                "point it at a Hugging Face model folder or a hub id"
-            )
+        problem = weights_problem(Path(path))
+        if problem:
+            raise UserError(problem)
         load_path, kind = path, "local"
     else:
         load_path, kind = path, "hub"
@@ -193,6 +326,8 @@ def materialize(
         "num_hidden_layers": tc.num_hidden_layers,
         "hidden_size": tc.hidden_size,
         "vocab_size": tc.vocab_size,
+        "max_position_embeddings": getattr(tc, "max_position_embeddings", None),
+        "gguf": source,  # the GGUF file it was converted from (name, bytes, sha256)
         "config_sha256": sha256_json(config_dict),
         "weights": weights,
         "trust_remote_code": trust_remote_code,
@@ -200,27 +335,6 @@ def materialize(
         "allow_pickle": allow_pickle,
         "lm_weights": lm,  # checkpoint keys of the language model's embeddings, LM head, norm
     }
-
-
-def planning_shape(spec: str, record_path: Path) -> tuple[int, int] | None:
-    """(hidden size, layers) of the language model, from what planning can read without
-    loading anything: the verifier job's record, else a local folder's config.json (nested
-    ``text_config`` too); None for a hub id or a packaged GGUF not converted yet."""
-    if record_path.is_file():
-        try:
-            record = json.loads(record_path.read_text())
-            return int(record["hidden_size"]), int(record["num_hidden_layers"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    config = Path(spec) / "config.json"
-    if spec.startswith(PACKAGE_PREFIX) or not config.is_file():
-        return None
-    try:
-        data = json.loads(config.read_text())
-        text = data.get("text_config") or data
-        return int(text["hidden_size"]), int(text["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # the verifier job reports a bad config in one line
 
 
 def portable(record: dict[str, Any], record_path: Path) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import acceptance_gate  # noqa: E402
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
+from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
 from eagle3lib.provenance import stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
-from eagle3lib.verifier import is_local, planning_shape  # noqa: E402
+from eagle3lib.verifier import is_gguf_file, is_local, local_path_problem  # noqa: E402
 
 
 def fail(message):
@@ -92,31 +93,22 @@ def forget_damaged_shards():
             manifest.unlink()
 
 
-def print_disk_estimate():
+def print_disk_estimate(facts):
     """Before anything is extracted: the shards' size per token (and in all, once prepare has
     counted the tokens), so the terabytes are known up front (also under `snakemake -n`).
     """
     if all(Path(SHARD_MANIFEST.format(shard=i)).exists() for i in range(N_SHARDS)):
         return
-    shape = planning_shape(config["verifier"]["path"], Path(VERIFIER))
-    if shape is None:
+    if facts is None or facts.hidden_size is None:
         return
-    hidden, _layers = shape
     aux = config["extract"]["aux_layers"]
     slots = (len(aux) if aux else 3) + 1
     info = Path(SAMPLES_INFO)
     tokens = json.loads(info.read_text()).get("tokens") if info.is_file() else None
     print(
-        disk_estimate(hidden, slots, config["extract"]["storage"], tokens),
+        disk_estimate(facts.hidden_size, slots, config["extract"]["storage"], tokens),
         file=sys.stderr,
     )
-
-
-# Only the run that plans the DAG: a job's own snakemake (a cluster job) must not race with
-# the extract job that is writing a shard and its manifest.
-if workflow.is_main_process:
-    forget_damaged_shards()
-    print_disk_estimate()
 
 
 # Every rule's command starts with `exec`: it replaces the shell snakemake starts it in, so the
@@ -284,13 +276,15 @@ def eval_files():
 
 
 def verifier_inputs(wildcards):
-    """A local verifier folder's config.json, so editing the verifier re-runs the build."""
+    """A local verifier folder's config.json, or a local GGUF file, so that editing the
+    verifier re-runs the build; a local path that cannot be a verifier stops the run."""
     spec = config["verifier"]["path"]
     if spec.startswith("package:") or not is_local(spec):
         return []
-    if not Path(spec).is_dir():
-        fail(f"config key verifier.path: folder {spec!r} does not exist")
-    return [str(Path(spec) / "config.json")]
+    problem = local_path_problem(spec)
+    if problem:
+        fail(problem)
+    return [spec] if is_gguf_file(spec) else [str(Path(spec) / "config.json")]
 
 
 def shards():
@@ -454,6 +448,49 @@ def forget_stale_artifacts():
         os.utime(record, (1, 1))  # 0 would read as "no time" to Snakemake
 
 
-# Only the run that plans the DAG (as forget_damaged_shards).
+# ---- checks before the first job: mistakes knowable now never cost a run ---------------------
+
+
+def prepared_samples():
+    """How many training samples the current prepare made (samples.json), or None when it has
+    not run, or its samples are stale and will be made again."""
+    info, record = Path(SAMPLES_INFO), Path(PROVENANCE["prepare"])
+    if not (info.is_file() and record.is_file() and Path(VERIFIER).is_file()):
+        return None
+    if record.stat().st_mtime < 2 or stale_reason(record, stamp("prepare")):
+        return None  # marked stale (forget_stale_artifacts)
+    if info.stat().st_mtime < Path(VERIFIER).stat().st_mtime:
+        return None  # the verifier is newer: prepare runs again
+    try:
+        return int(json.loads(info.read_text())["samples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_before_jobs():
+    """eagle3lib/preflight.py on this config: the first problem stops the run in one line.
+    Returns the verifier facts it read (for the disk estimate)."""
+    sets = [{"key": key, "path": path} for key, path in zip(eval_specs(), eval_files())]
+    files = {"data.train.path": Path(data_file("train"))}
+    files.update({f"{s['key']}.path": Path(s["path"]) for s in sets})
+    problems, facts = preflight.planning_problems(
+        config,
+        Path(VERIFIER),
+        files,
+        sets,
+        prepared_samples(),
+    )
+    for problem in problems:
+        fail(problem)
+    return facts
+
+
+# Only the run that plans the DAG: a job's own snakemake (a cluster job) must not race with
+# the extract job that is writing a shard and its manifest. The result folders first: a file
+# in their place would stop Snakemake itself with a traceback.
 if workflow.is_main_process:
+    for problem in preflight.output_path_problems(Path(results(""))):
+        fail(problem)
+    forget_damaged_shards()
     forget_stale_artifacts()
+    print_disk_estimate(check_before_jobs())

@@ -49,8 +49,18 @@ def verifier_record(verifier_dir, tmp_path_factory):
     return materialize(str(verifier_dir), "tiny-llama", tmp_path_factory.mktemp("hf") / "hf")
 
 
-def run_snakemake(workdir: Path, configfile: Path | None, *args: str, check: bool = True):
-    """A real `snakemake` run in ``workdir`` with this repo's Snakefile; returns the process."""
+def run_snakemake(
+    workdir: Path,
+    configfile: Path | None,
+    *args: str,
+    check: bool = True,
+    workflow_profile: str | None = "none",
+):
+    """A real `snakemake` run in ``workdir`` with this repo's Snakefile; returns the process.
+
+    ``--workflow-profile none`` by default: snakemake would load profiles/default (which only
+    turns on --show-failed-logs) by itself, and these runs check logs and outputs themselves.
+    ``workflow_profile=None`` runs as a user's plain `snakemake` does, with it."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = [
@@ -63,9 +73,9 @@ def run_snakemake(workdir: Path, configfile: Path | None, *args: str, check: boo
         str(workdir),
         "--cores",
         "2",
-        "--workflow-profile",
-        "none",
     ]
+    if workflow_profile is not None:
+        cmd += ["--workflow-profile", workflow_profile]
     cmd += args  # targets before --configfile, which takes several values
     if configfile is not None:
         cmd += ["--configfile", str(configfile)]

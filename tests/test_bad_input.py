@@ -95,6 +95,22 @@ def load_script(name: str):
     return _SCRIPTS[name]
 
 
+def run_main(name: str, argv, capfd, monkeypatch) -> str:
+    """Run scripts/<name>.py's main() in-process with ``argv``; it must exit with status 1.
+    Returns everything written to stderr."""
+    module = load_script(name)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py"), *map(str, argv)])
+    capfd.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)  # errors.cli installs its own
+    try:
+        with pytest.raises(SystemExit) as exited:
+            module.main()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert exited.value.code == 1
+    return capfd.readouterr().err
+
+
 class Env:
     """One case's folders (``inp`` for inputs, ``out`` for what the stage would write)."""
 
@@ -107,19 +123,7 @@ class Env:
         self.monkeypatch = monkeypatch
 
     def script(self, name: str, *argv) -> str:
-        """Run scripts/<name>.py's main() in-process with ``argv``; it must exit with status 1.
-        Returns everything written to stderr."""
-        module = load_script(name)
-        self.monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py"), *map(str, argv)])
-        self.capfd.readouterr()
-        handler = signal.getsignal(signal.SIGTERM)  # errors.cli installs its own
-        try:
-            with pytest.raises(SystemExit) as exited:
-                module.main()
-        finally:
-            signal.signal(signal.SIGTERM, handler)
-        assert exited.value.code == 1
-        return self.capfd.readouterr().err
+        return run_main(name, argv, self.capfd, self.monkeypatch)
 
     def config(self, mutate: Callable[[dict], None]) -> str:
         """The workflow's config check (rules/common.smk: one ``error:`` line, then exit 1) on

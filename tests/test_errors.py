@@ -68,18 +68,19 @@ def test_malformed_json_line_names_file_and_line(setup):
 
 
 @pytest.mark.parametrize(
-    ("records", "message"),
+    ("text", "message"),
     [
-        ([], "no usable training samples (0 records read; dropped no records)"),
+        # blank lines only (an empty file is refused when the workflow plans)
+        ("\n\n", "no usable training samples (0 records read; dropped no records)"),
         (
-            [{"messages": [{"role": "user", "content": "anyone there?"}]}] * 3,
-            "dropped no_assistant_turn: 3",
+            json.dumps({"messages": [{"role": "user", "content": "anyone there?"}]}) + "\n",
+            "dropped no_assistant_turn: 1",
         ),
     ],
 )
-def test_dataset_without_usable_samples(setup, records, message):
+def test_dataset_without_usable_samples(setup, text, message):
     tmp_path, make = setup
-    config = make(train_records=records)
+    config = make(train_text=text)
     run_target(tmp_path, config, "results/t/prepared/samples.json")
     line = one_error_line((tmp_path / "results/t/logs/prepare.log").read_text())
     assert message in line and "train.jsonl" in line
@@ -110,27 +111,34 @@ def test_missing_verifier_folder(setup):
     tmp_path, make = setup
     config = make(verifier=tmp_path / "no-such-model")
     proc = run_target(tmp_path, config, "results/t/prepared/samples.json")
-    assert "config key verifier.path: folder" in one_error_line(proc.stderr)
-    assert "no-such-model' does not exist" in proc.stderr
+    line = one_error_line(proc.stderr)
+    assert line == (
+        f"error: config key verifier.path: folder '{tmp_path}/no-such-model' does not exist; "
+        "fix the path (relative paths start at the working directory), or give a hub id or a "
+        ".gguf file"
+    )
+    assert not (tmp_path / "results").exists()
 
 
-def test_aux_layer_out_of_range(setup):
+def test_aux_layer_out_of_range(setup, verifier_dir):
+    """Known from the verifier's config.json when the workflow plans: no job runs."""
     tmp_path, make = setup
     config = make(extract={"aux_layers": [1, 4, 9]})
-    run_target(tmp_path, config, "results/t/hidden_states/shard-0.safetensors")
-    line = one_error_line((tmp_path / "results/t/logs/extract-0.log").read_text())
-    assert line == (
+    proc = run_target(tmp_path, config, "results/t/hidden_states/shard-0.safetensors")
+    assert one_error_line(proc.stderr) == (
         "error: config key extract.aux_layers: layer id(s) [9] out of range [0, 7] for a "
-        "verifier with 8 layers (the final layer is always added)"
+        "verifier with 8 layers (the final layer is always added); use ids from 0 to 7 "
+        f"(verifier: {verifier_dir}/config.json)"
     )
-    assert not list((tmp_path / "results/t/hidden_states").glob("shard-0*"))
-    assert_no_partial_artifacts(tmp_path / "results")
+    assert "rule verifier" not in proc.stdout + proc.stderr  # no job started
+    assert not (tmp_path / "results").exists()
 
 
 def test_draft_vocab_larger_than_the_verifier_vocab(setup):
     tmp_path, make = setup
     config = make(train={"draft_vocab_size": 100000})
-    run_target(tmp_path, config, "results/t/vocab/vocab_map.safetensors")
-    line = one_error_line((tmp_path / "results/t/logs/vocab.log").read_text())
+    proc = run_target(tmp_path, config, "results/t/vocab/vocab_map.safetensors")
+    line = one_error_line(proc.stderr)
     assert "config key train.draft_vocab_size: 100000 is larger than the verifier vocab" in line
-    assert not (tmp_path / "results/t/vocab/vocab_map.safetensors").exists()
+    assert "use at most 400" in line
+    assert not (tmp_path / "results").exists()

@@ -498,7 +498,10 @@ def small_disk(tmp_path):
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
     )
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        pytest.skip(
+            "cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): "
+            f"{proc.stderr.decode().strip()}"
+        )
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 

@@ -18,6 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORKSTATION = ROOT / "profiles" / "workstation"
 SLURM = ROOT / "profiles" / "slurm"
+DEFAULT = ROOT / "profiles" / "default"  # the workflow profile snakemake loads by itself
 PROFILE_FILE = "profile.v9+.yaml"
 
 # The GPU counts of the test config (resources: gpu=N of each GPU rule).
@@ -25,14 +26,25 @@ GPUS = {"extract": 1, "train": 2, "evaluate": 1}
 CPU_RULES = ("verifier", "prepare", "vocab")
 
 
-def snakemake(workdir: Path, configfile: Path, *args: str, env=None, timeout: float = 120):
+def snakemake(
+    workdir: Path,
+    configfile: Path,
+    *args: str,
+    env=None,
+    timeout: float = 120,
+    workflow_profile: str | None = "none",
+):
     """`snakemake` on this repo's Snakefile in ``workdir``, like conftest.run_snakemake but
-    without --cores (profiles set it), with a timeout and an optional environment."""
+    without --cores (profiles set it), with a timeout and an optional environment. The runs
+    with a --profile pass ``workflow_profile=None``: profiles/default is then merged in, as
+    for a user, so that they show it replaces nothing of the profile."""
     if env is None:
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
-    cmd += ["--directory", str(workdir), "--workflow-profile", "none"]
+    cmd += ["--directory", str(workdir)]
+    if workflow_profile is not None:
+        cmd += ["--workflow-profile", workflow_profile]
     cmd += [*args, "--configfile", str(configfile)]  # targets before --configfile
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -77,7 +89,10 @@ def workspace(tmp_path, verifier_dir):
 # ---- the profile files themselves ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", [WORKSTATION, SLURM], ids=["workstation", "slurm"])
+PROFILES = [WORKSTATION, SLURM, DEFAULT]
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=[p.name for p in PROFILES])
 def test_snakemake_picks_the_profile_file(profile):
     from snakemake.cli import get_profile_dir
 
@@ -85,13 +100,19 @@ def test_snakemake_picks_the_profile_file(profile):
     assert sorted(p.name for p in profile.iterdir()) == [PROFILE_FILE]
 
 
-@pytest.mark.parametrize("profile", [WORKSTATION, SLURM], ids=["workstation", "slurm"])
+@pytest.mark.parametrize("profile", PROFILES, ids=[p.name for p in PROFILES])
 def test_every_profile_entry_is_commented(profile):
     lines = (profile / PROFILE_FILE).read_text().splitlines()
     for i, line in enumerate(lines):
         if re.match(r"^\s*[\w-]+:", line) and "#" not in line:
             above = lines[i - 1].strip() if i else ""
             assert above.startswith("#"), f"{profile.name} line {i + 1} has no comment: {line}"
+
+
+def test_the_workflow_profile_only_shows_failed_logs():
+    """profiles/default sets one key, so that it replaces no key of a --profile (profiles merge
+    per top-level key) and a plain `snakemake` shows a failed job's log on the terminal."""
+    assert yaml.safe_load((DEFAULT / PROFILE_FILE).read_text()) == {"show-failed-logs": True}
 
 
 def test_slurm_profile_requests_gpus_only_through_the_gpu_resource():
@@ -114,10 +135,14 @@ def test_slurm_profile_requests_gpus_only_through_the_gpu_resource():
 
 @pytest.mark.slow
 def test_workstation_profile_dry_run_shows_gpu_resources_and_caps_them(workspace):
-    proc = snakemake(workspace.dir, workspace(), "-n", "--profile", str(WORKSTATION))
+    proc = snakemake(
+        workspace.dir, workspace(), "-n", "--profile", str(WORKSTATION), workflow_profile=None
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert f"Using profile {WORKSTATION}" in out
+    assert re.search(
+        rf"Using profiles {WORKSTATION} and workflow specific profile \S*default ", out
+    )
     # the shards' size is known before anything runs (tiny verifier: 4 slots of 64)
     assert "hidden states: 517 bytes a token (4 slots of 64 in bf16; extract.storage: fp8" in out
     jobs = job_resources(out)
@@ -230,10 +255,12 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
         "1",
         env=env,
         timeout=150,
+        workflow_profile=None,  # as a user runs it: profiles/default merged in
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "Using profile" in out and "SLURM run ID" in out
+    assert re.search(rf"Using profiles {SLURM} and workflow specific profile \S*default ", out)
+    assert "SLURM run ID" in out
 
     calls = [json.loads(line) for line in (stubs / "calls.jsonl").read_text().splitlines()]
     jobs = sbatch_jobs(calls)

@@ -315,7 +315,10 @@ def no_network(tmp_path_factory):
             prefix = candidate
             break
     if prefix is None:
-        pytest.skip("no network namespace here (unshare -rn / -n failed): cannot cut the network")
+        pytest.skip(
+            "no network namespace here: needs util-linux's `unshare` and either user namespaces "
+            "(`unshare -rn`) or root (`unshare -n`); the network could not be cut"
+        )
 
     def env_for(log: Path, **extra) -> dict[str, str]:
         env = {

@@ -129,3 +129,27 @@ def test_readme_documents_every_summary_field():
     assert fields
     missing = [f for f in fields if f"`{f}`" not in summary_section]
     assert not missing, missing
+
+
+def test_make_test_ends_with_the_skipped_checks_and_why(tmp_path):
+    """`make test` runs pytest as its recipe says, with pyproject's addopts (-ra): a skipped
+    check is listed, with its reason, in the summary that ends the run (after --durations)."""
+    recipe = re.search(r"^test: .*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    args = recipe.split("-m pytest", 1)[1].replace("$(PYTEST_ARGS)", "").split()
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n\n\ndef test_needs_a_browser():\n"
+        "    pytest.skip('chromium is not installed: checked, not rendered')\n\n\n"
+        "def test_runs():\n    pass\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"]
+        + ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "test_skips.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    skipped = out.index("SKIPPED [1] test_skips.py:5: chromium is not installed: checked")
+    assert out.index("slowest") < out.index("short test summary info") < skipped
+    assert re.fullmatch(r"=+ 1 passed, 1 skipped in .*", out.rstrip().splitlines()[-1])

@@ -16,9 +16,30 @@ pytestmark = pytest.mark.slow
 EXTRACT_RULES = {"verifier", "prepare", "extract"}
 
 
+def verifier_replies(model, tokenizer, conversations: list[dict]) -> list[dict]:
+    """The conversations' first user turns answered by the verifier's own greedy decoding (24
+    tokens), as the regenerate rule would answer them: a draft trained on them can learn what
+    the verifier says (on the random conversations it could learn nothing, and accepted
+    nothing: acceptance length 1.0)."""
+    from eagle3lib import data, evaluate
+
+    eos = data.eos_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
+    out = []
+    for record in conversations:
+        user = record["conversations"][0]["value"]
+        ids = data.prompt_token_ids(tokenizer, user)
+        reply = tokenizer.decode(
+            evaluate.greedy_reference(model, ids, 24, eos), skip_special_tokens=True
+        ).strip()
+        turns = [{"from": "human", "value": user}, {"from": "gpt", "value": reply or "ok"}]
+        out.append({"id": record["id"], "conversations": turns})
+    return out
+
+
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory, verifier_dir):
+def ws(tmp_path_factory, verifier_dir, verifier_model, tokenizer):
     root = tmp_path_factory.mktemp("workflow")
+    replies = verifier_replies(verifier_model, tokenizer, tiny.conversations(30, seed=7))
     # the 31st conversation asks an eval prompt inside a longer turn: prepare drops it
     leak = {
         "id": "leak",
@@ -27,7 +48,7 @@ def ws(tmp_path_factory, verifier_dir):
             {"from": "gpt", "value": "It is fast because the draft is small."},
         ],
     }
-    train = tiny.write_jsonl(root / "train.jsonl", [*tiny.conversations(30, seed=7), leak])
+    train = tiny.write_jsonl(root / "train.jsonl", [*replies, leak])
     prompts = [
         {"question_id": i, "turns": [t, "and then?"]}
         for i, t in enumerate(["Tell me about the model", "Write three numbers", "Why is it fast"])
@@ -68,7 +89,13 @@ def test_first_run_builds_checkpoint_and_report(ws):
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-llama"
     summary = json.loads((ws.results / "reports" / "summary.json").read_text())
     assert summary["k"] == 3 and len(summary["per_position_acceptance"]) == 3
-    assert 1.0 <= summary["acceptance_length"] <= 4.0
+    acceptance = json.loads((ws.results / "reports" / "acceptance.json").read_text())
+    assert (
+        summary["acceptance_length"]
+        == acceptance["acceptance_length"]
+        == pytest.approx(1 + acceptance["accepted_tokens"] / acceptance["steps"])
+        == pytest.approx(1 + sum(summary["per_position_acceptance"]))
+    )
     assert summary["checkpoint_valid"] is True and summary["text_matches_verifier"] is True
     assert set(summary["gpu_memory"]) == {"extract-0", "extract-1", "train", "evaluate"}
     for entry in summary["gpu_memory"].values():
@@ -106,6 +133,42 @@ def test_first_run_builds_checkpoint_and_report(ws):
     )
     assert progress and progress[-1].endswith("about 0 s left"), out
     assert progress[-1] in (ws.results / "logs" / "train.log").read_text()
+
+
+def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_model, tokenizer):
+    """The workflow's acceptance against the same evaluation of an untrained draft (random
+    init, the run's own vocab map and layers) on the same prompts: measured 2.5 (14 steps, 21
+    accepted tokens) against 1.0 at k = 3 when this was written, on the 2-core CPU."""
+    import torch
+
+    from eagle3lib import data, evaluate, train, vocab
+    from eagle3lib.config import EvaluateConfig, TrainConfig
+    from eagle3lib.verifier import read_record
+
+    record = read_record(ws.results / "verifier" / "verifier.json")
+    layers = json.loads((ws.results / "hidden_states" / "shard-0.json").read_text())["layer_ids"]
+    maps = vocab.load(ws.results / "vocab" / "vocab_map.safetensors")
+    torch.manual_seed(0)
+    untrained = train.build_draft(
+        TrainConfig(draft_vocab_size=256, total_seq_len=256), record, layers[:-1], maps, "sdpa"
+    )
+    prompts = data.read_eval_prompts(ws.dir / "eval.jsonl", 3)
+    for prompt in prompts:
+        prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
+    baseline = evaluate.evaluate(
+        verifier_model,
+        untrained.float(),
+        tokenizer,
+        [{"name": "eval", "prompts": prompts}],
+        EvaluateConfig(k=3, max_new_tokens=12),
+        layers[:-1],
+        log=lambda m: None,
+    )
+    trained = json.loads((ws.results / "reports" / "acceptance.json").read_text())
+    assert trained["prompts"] == baseline["prompts"] == 3
+    assert baseline["acceptance_length"] < 1.25
+    assert 2.0 <= trained["acceptance_length"] <= 3.0  # a band around the measured 2.5
+    assert trained["acceptance_length"] >= baseline["acceptance_length"] + 1.0
 
 
 def test_second_run_does_nothing(ws):
@@ -238,7 +301,10 @@ def test_html_report_has_the_dag_plots_and_tables(ws):
         assert item in html, item
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.skip("chromium is not installed: the HTML was checked, not rendered")
+        pytest.skip(
+            "chromium is not installed (Debian package chromium): the report's HTML was "
+            "checked, not rendered in a browser"
+        )
     shot = ws.dir / "report.png"
     subprocess.run(
         [
@@ -263,14 +329,52 @@ def test_html_report_has_the_dag_plots_and_tables(ws):
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 30_000  # not a blank page
 
 
-def test_a_failing_train_job_fails_the_workflow_with_its_error_in_the_log(ws):
-    ws.write(train={"attention": "simple_flex_attention"})  # no backward pass on CPU
+def test_a_setting_the_train_job_cannot_run_stops_the_run_before_any_job(ws):
+    """Flex attention on a CPU train job (train.gpus: 0) is known to fail: the workflow stops
+    when it plans, with one line, and runs nothing (it used to fail in the train job)."""
+    ws.write(train={"attention": "simple_flex_attention"})
     proc = run_snakemake(ws.dir, ws.config, check=False)
-    assert proc.returncode != 0 and "Error in rule train" in proc.stdout + proc.stderr
-    log = (ws.results / "logs" / "train.log").read_text()
-    assert "error: config key train.attention: flex attention has no backward pass" in log
-    assert not (ws.results / "checkpoint" / "model.safetensors").exists()
     ws.write(train={"attention": "auto"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert [line for line in out.splitlines() if line.startswith("error: ")] == [
+        "error: config key train.attention: flex attention has no backward pass on CPU "
+        "(train.gpus: 0); use sdpa or eager (numerically equal) or auto, or set train.gpus"
+    ]
+    assert "rule train" not in out and "Job stats" not in out
+
+
+def test_a_failing_train_job_shows_its_one_line_on_a_plain_snakemake_terminal(ws):
+    """A job that fails (a shard whose bytes changed after it was built, same size, so only
+    the train job's sha256 check can tell): a plain `snakemake`, with profiles/default as a
+    user gets it, prints the job's one error line on the terminal, and keeps no checkpoint."""
+    import os
+    import shutil
+
+    hidden = ws.results / "hidden_states"
+    saved = ws.dir / "saved"
+    saved.mkdir()
+    for name in ("shard-0.safetensors", "shard-0.json"):
+        shutil.copy2(hidden / name, saved / name)
+    shard = hidden / "shard-0.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))  # newer than the checkpoint: train reruns
+    try:
+        proc = run_snakemake(ws.dir, ws.config, check=False, workflow_profile=None)
+    finally:  # the shard and manifest as built (train removes a mismatching manifest)
+        for name in ("shard-0.safetensors", "shard-0.json"):
+            shutil.copy2(saved / name, hidden / name)
+        stat = (saved / "shard-0.safetensors").stat()
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Error in rule train" in out
+    assert "Using workflow specific profile" in out and "Traceback" not in out
+    [line] = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert line.startswith(f"error: {shard.relative_to(ws.dir)}: content does not match")
+    assert line.endswith("rerun the workflow to rebuild this shard")
+    assert line in (ws.results / "logs" / "train.log").read_text().splitlines()
+    assert not (ws.results / "checkpoint" / "model.safetensors").exists()
 
 
 def test_acceptance_gate_fails_the_build_naming_set_k_and_both_numbers(ws):

@@ -423,3 +423,92 @@ def _custom_code_kimi(path: Path, text_config: dict, vocab: int, special: dict):
     (path / "config.json").write_text(json.dumps(config_json, indent=2))
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     return AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+
+
+# ---- a GGUF verifier: the tiny Llama written as llama.cpp's converter writes it --------------
+
+# Hugging Face Llama tensor names -> GGUF names (llama.cpp's convert_hf_to_gguf mapping).
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(key: str) -> str:
+    stem = key.removesuffix(".weight")
+    if stem in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[stem]}.weight"
+    _, _, layer, rest = stem.split(".", 3)  # model.layers.<i>.<rest>
+    return f"blk.{layer}.{_GGUF_NAMES[rest]}.weight"
+
+
+def _permute_rope(weights, heads: int):
+    """llama.cpp stores q/k rows interleaved for its RoPE (transformers reverses it on load)."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def build_gguf(path: Path, verifier: Path) -> Path:
+    """The tiny Llama of ``verifier`` (build_verifier) as an f32 GGUF file with its byte-level
+    BPE tokenizer and chat template, as llama.cpp's convert_hf_to_gguf lays one out."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((verifier / "config.json").read_text())
+    tok = json.loads((verifier / "tokenizer.json").read_text())
+    tok_config = json.loads((verifier / "tokenizer_config.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    template = (verifier / "chat_template.jinja").read_text()
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(verifier.name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(len(tokens))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
+    writer.add_pad_token_id(vocab[tok_config["pad_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(template)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for key, value in load_file(str(verifier / "model.safetensors")).items():
+        if key.endswith("q_proj.weight"):
+            value = _permute_rope(value, heads)
+        elif key.endswith("k_proj.weight"):
+            value = _permute_rope(value, kv_heads)
+        writer.add_tensor(_gguf_name(key), value.astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,311 @@
+"""Checks made when the workflow plans, before any job runs: everything knowable from the
+config, the input files' existence, the eval prompt files and the verifier's config.
+
+rules/common.smk calls ``problems`` in Snakemake's main process (after the config passed its
+schema) and stops at the first problem with its one line, so that a mistake of this kind never
+costs a run: the settings against each other and against the verifier (its layers, vocabulary
+and context length), the result folders, and inputs that a job would only reject after the
+verifier was converted. The jobs keep their own checks (a job can run on its own).
+
+The verifier's facts come from what can be read without loading a model: ``verifier.json``
+once the verifier rule has run, else a local folder's ``config.json``, else a GGUF file's
+header (packaged or local: the header is checked whole before conversion). A hub id is known
+only once the verifier rule has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.config import resolve_aux_layers
+from eagle3lib.errors import UserError
+
+# The folders a run writes under results/<run>/ (rules/common.smk defines the paths).
+RUN_FOLDERS = (
+    "verifier", "regenerated", "prepared", "hidden_states", "vocab", "train", "checkpoint",
+    "reports", "logs", "benchmarks", "gpu", ".locks",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierFacts:
+    """What planning knows of the verifier's language model (None: not known)."""
+
+    source: str  # the file they were read from, named in messages
+    num_hidden_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# config.json names of each fact: transformers' own, then common older spellings (GPT-2 style)
+_CONFIG_NAMES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len"),
+}
+
+
+def facts_from_config(config: dict[str, Any], source: str) -> VerifierFacts:
+    """Facts of a config.json (its language model's: a nested ``text_config`` first)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = {
+        fact: next((_int(text.get(n)) for n in names if _int(text.get(n)) is not None), None)
+        for fact, names in _CONFIG_NAMES.items()
+    }
+    return VerifierFacts(source, **found)
+
+
+def facts_from_record(record: dict[str, Any], source: str) -> VerifierFacts:
+    """Facts of the verifier rule's record (verifier.json)."""
+    return VerifierFacts(source, **{f: _int(record.get(f)) for f in _CONFIG_NAMES})
+
+
+def verifier_facts(spec: str, record_path: Path) -> VerifierFacts | None:
+    """The verifier's facts from the cheapest source there is (see the module docstring);
+    None for a hub id before the verifier rule ran. A local verifier that cannot be one (a
+    missing path, a folder without config.json, a config.json that is not a model's, a GGUF
+    file cut short) raises a UserError naming it."""
+    from eagle3lib import verifier
+
+    if record_path.is_file():
+        try:
+            return facts_from_record(json.loads(record_path.read_text()), str(record_path))
+        except (OSError, ValueError, AttributeError):
+            pass  # the verifier rule rewrites it; read what the config names instead
+    problem = verifier.local_path_problem(spec)
+    if problem:
+        raise UserError(problem)
+    gguf = verifier.gguf_file(spec)
+    if gguf is not None:
+        from eagle3lib.modelfiles import read_gguf_header
+
+        header = read_gguf_header(gguf)
+        return VerifierFacts(
+            str(gguf),
+            header.num_hidden_layers,
+            header.hidden_size,
+            header.vocab_size,
+            header.max_position_embeddings,
+        )
+    if not verifier.is_local(spec):
+        return None
+    config_path = Path(spec) / "config.json"
+    problem = verifier.config_json_problem(config_path)
+    if problem:
+        raise UserError(problem)
+    return facts_from_config(json.loads(config_path.read_text()), str(config_path))
+
+
+# ---- the result folders ---------------------------------------------------------------------
+
+
+def output_path_problems(run_dir: Path, folders: Iterable[str] = RUN_FOLDERS) -> list[str]:
+    """Files where the run's folders should be, and folders this user cannot write."""
+    remedy = "move or delete it, or choose another run name (config key run)"
+    for parent in reversed([run_dir, *run_dir.parents]):
+        if parent == Path(".") or parent == Path(parent.anchor):
+            continue
+        if parent.exists() and not parent.is_dir():
+            what = "the run's folder" if parent == run_dir else f"a folder of {run_dir}"
+            return [f"{parent}: a file is where {what} should be; {remedy}"]
+    if run_dir.is_dir():
+        for name in folders:
+            folder = run_dir / name
+            if folder.exists() and not folder.is_dir():
+                return [f"{folder}: a file is where the run writes a folder; {remedy}"]
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    for folder in [existing, *(run_dir / n for n in folders if (run_dir / n).is_dir())]:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return [
+                f"{folder}: not writable by this user; make it writable, or run from a "
+                "working directory where results/ can be written"
+            ]
+    return []
+
+
+# ---- input files ----------------------------------------------------------------------------
+
+
+def input_file_problems(files: dict[str, Path]) -> list[str]:
+    """Input files (by config key) that are empty or cannot be opened for reading."""
+    out = []
+    for key, path in files.items():
+        if not os.access(path, os.R_OK):
+            out.append(f"config key {key}: file '{path}' is not readable; fix its permissions")
+        elif path.stat().st_size == 0:
+            out.append(
+                f"config key {key}: file '{path}' is empty; point {key} at a file of records"
+            )
+    return out
+
+
+def eval_prompt_problems(sets: Sequence[dict[str, Any]]) -> list[str]:
+    """Each eval set's file must give prompts as evaluate reads them: all of its records (as
+    prepare reads them to exclude them from training), none empty."""
+    from eagle3lib.data import read_eval_prompts
+
+    for eval_set in sets:
+        try:
+            read_eval_prompts(Path(eval_set["path"]), None)
+        except UserError as exc:
+            return [f"{exc} (config key {eval_set['key']}.path)"]
+    return []
+
+
+# ---- settings, against each other and against the verifier ----------------------------------
+
+
+def _ks(k: int | list[int]) -> list[int]:
+    return [k] if isinstance(k, int) else list(k)
+
+
+def setting_problems(
+    config: dict[str, Any],
+    facts: VerifierFacts | None,
+    samples: int | None = None,
+) -> list[str]:
+    """What the (schema-valid, defaults filled) config gets wrong, one line each: settings that
+    contradict each other, or the verifier ``facts`` (None: unknown yet). ``samples``: how
+    many training samples the current prepare made, once it has run. A job with no GPU
+    (``*.gpus: 0``) sees none (scripts/gpu_job.py), so GPU-only features are known to fail."""
+    out: list[str] = []
+    data, extract, train = config["data"], config["extract"], config["train"]
+    evaluate, vllm = config["evaluate"], config["vllm"]
+    regenerate = config["regenerate"]
+    ks = _ks(evaluate["k"])
+
+    # -- the config alone
+    if max(ks) > evaluate["max_new_tokens"]:
+        out.append(
+            f"config key evaluate.k: k = {max(ks)} proposes more tokens per step than "
+            f"evaluate.max_new_tokens ({evaluate['max_new_tokens']}) generates in all; use k "
+            f"of at most {evaluate['max_new_tokens']}, or raise evaluate.max_new_tokens"
+        )
+    bad = [i for i in train["full_attention_layers"] if i >= train["num_layers"]]
+    if bad:
+        out.append(
+            f"config key train.full_attention_layers: layer id(s) {bad} out of range for a "
+            f"draft of train.num_layers = {train['num_layers']}; use ids from 0 to "
+            f"{train['num_layers'] - 1}, or raise train.num_layers"
+        )
+    max_samples = data["train"]["max_samples"]
+    if max_samples is not None and extract["shards"] > max_samples:
+        out.append(
+            f"config key extract.shards: {extract['shards']} shards for at most {max_samples} "
+            f"samples (data.train.max_samples) leaves a shard empty; use at most {max_samples} "
+            "shards"
+        )
+    if samples is not None and extract["shards"] > samples:
+        out.append(
+            f"config key extract.shards: {extract['shards']} shards for the {samples} samples "
+            f"prepare made leaves a shard empty; use at most {samples} shards"
+        )
+    if samples is not None and samples < 2:
+        out.append(
+            f"data.train.path: prepare made {samples} training sample(s), training needs at "
+            "least 2; add conversations or raise data.train.max_samples"
+        )
+    cpu_train = train["gpus"] == 0
+    if cpu_train and train["attention"] == "simple_flex_attention":
+        out.append(
+            "config key train.attention: flex attention has no backward pass on CPU "
+            "(train.gpus: 0); use sdpa or eager (numerically equal) or auto, or set train.gpus"
+        )
+    if cpu_train and train["loss"] == "fused":
+        out.append(
+            "config key train.loss: the fused loss needs a GPU and Triton (train.gpus: 0); use "
+            "eager or auto, or set train.gpus"
+        )
+    flex = train["gpus"] > 0 and train["attention"] in ("auto", "simple_flex_attention")
+    if flex and train["total_seq_len"] % 128:
+        out.append(
+            f"config key train.total_seq_len: {train['total_seq_len']} is not a multiple of "
+            "128, which flex attention's block mask needs (train.attention: "
+            f"{train['attention']} on a GPU); use e.g. {(train['total_seq_len'] // 128 + 1) * 128}"
+            ", or train.attention: sdpa"
+        )
+    if regenerate["enabled"] and regenerate["gpus"] % regenerate["workers"]:
+        out.append(
+            f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
+            f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
+            "regenerate.workers"
+        )
+
+    if facts is None:
+        return out
+    # -- against the verifier
+    where = f"(verifier: {facts.source})"
+    layers = facts.num_hidden_layers
+    if layers is not None:
+        try:
+            resolve_aux_layers(extract["aux_layers"], layers)
+        except UserError as exc:
+            out.append(f"{exc} {where}")
+    vocab = facts.vocab_size
+    if vocab is not None and train["draft_vocab_size"] > vocab:
+        out.append(
+            f"config key train.draft_vocab_size: {train['draft_vocab_size']} is larger than the "
+            f"verifier vocab ({vocab}); use at most {vocab} {where}"
+        )
+    context = facts.max_position_embeddings
+    if context is not None:
+        if data["max_length"] > context:
+            out.append(
+                f"config key data.max_length: {data['max_length']} is longer than the verifier's "
+                f"context (max_position_embeddings {context}); use at most {context} {where}"
+            )
+        lengths = [("evaluate.max_new_tokens", evaluate["max_new_tokens"])]
+        if regenerate["enabled"]:
+            lengths.append(("regenerate.max_new_tokens", regenerate["max_new_tokens"]))
+        for key, value in lengths:
+            if value >= context:
+                out.append(
+                    f"config key {key}: {value} new tokens leave no room for the prompt in the "
+                    f"verifier's context (max_position_embeddings {context}); use fewer than "
+                    f"{context} {where}"
+                )
+        uses_vllm = (
+            config["serve_check"]["enabled"]
+            or extract["backend"] == "vllm"
+            or (regenerate["enabled"] and regenerate["backend"] == "vllm")
+        )
+        if uses_vllm and vllm["max_model_len"] is not None and vllm["max_model_len"] > context:
+            out.append(
+                f"config key vllm.max_model_len: {vllm['max_model_len']} is longer than the "
+                f"verifier's context (max_position_embeddings {context}), which vLLM refuses; "
+                f"use at most {context}, or null {where}"
+            )
+    return out
+
+
+def planning_problems(
+    config: dict[str, Any],
+    record_path: Path,
+    files: dict[str, Path],
+    eval_sets: Sequence[dict[str, Any]],
+    samples: int | None,
+) -> tuple[list[str], VerifierFacts | None]:
+    """(problems, verifier facts) of a config whose input paths resolved (``files``: by config
+    key; ``eval_sets``: [{key, path}]): the input files, the eval prompts, the verifier as far
+    as it can be read (``record_path``: its verifier.json), then the settings against each
+    other and against the verifier. What rules/common.smk runs after the result folders'
+    check; it stops at the first problem."""
+    problems = input_file_problems(files) + eval_prompt_problems(eval_sets)
+    if problems:
+        return problems, None
+    try:
+        facts = verifier_facts(config["verifier"]["path"], record_path)
+    except UserError as exc:
+        return [str(exc)], None
+    return setting_problems(config, facts, samples), facts

@@ -1,0 +1,525 @@
+"""Edge cases, one table: result folders in the way, verifier files and folders of every kind
+the README accepts (a folder, a local or packaged .gguf file, a hub id) in every wrong shape,
+corrupt model files, empty or unreadable inputs, and settings that contradict each other or
+the verifier. tests/test_bad_input.py holds the data errors; none is repeated here.
+
+Every case must give
+(a) exactly one ``error: ...`` line and no traceback,
+(b) the file (and line) or the config key at fault,
+(c) what to do about it,
+(d) nothing final written.
+
+A ``plan`` case runs what rules/common.smk runs when the workflow plans, before any job:
+``preflight.output_path_problems`` on results/<run>, the input paths resolved, then
+``preflight.planning_problems`` (the first problem is the line ``fail`` prints). A ``verifier``
+case runs the verifier rule's script (scripts/verifier.py main, in-process). Cases marked
+``process`` also run through a real, plain ``snakemake --configfile config.yaml --cores 2``
+(no ``--workflow-profile none``: profiles/default is loaded as for a user, so a job's error
+reaches the terminal through its log), all of them at once in one module fixture.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import tiny
+import yaml
+from test_bad_input import leftovers, one_error_line, run_main
+
+from eagle3lib import preflight
+from eagle3lib.config import config_errors, resolve_data_path
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import sha256_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "rules" / "schemas" / "config.schema.yaml"
+
+
+@pytest.fixture(scope="module")
+def gguf(verifier_dir, tmp_path_factory) -> Path:
+    """The tiny verifier as a GGUF file (1.4 MB; tests/tiny.py build_gguf)."""
+    return tiny.build_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", verifier_dir)
+
+
+class Env:
+    """One case's working directory (``dir``), its config (``config``, the tiny one) and the
+    folder a job would write into (``out``)."""
+
+    def __init__(self, folder: Path, verifier_dir: Path, gguf: Path):
+        self.dir = folder
+        self.out = folder / "out"
+        self.out.mkdir(parents=True)
+        self.verifier_dir, self.gguf = verifier_dir, gguf
+        self.samples: int | None = None  # what a current prepare made (samples.json)
+        train = tiny.write_jsonl(folder / "train.jsonl", tiny.conversations(6, seed=3))
+        evals = tiny.write_jsonl(folder / "eval.jsonl", [{"turns": ["Tell me more"]}])
+        path = tiny.write_config(folder / "config.yaml", "t", verifier_dir, train, evals)
+        self.config = yaml.safe_load(path.read_text())
+
+    def set(self, dotted: str, value) -> None:
+        section, key = dotted.split(".", 1)
+        self.config.setdefault(section, {})[key] = value
+
+    def model_copy(self, *, weights: bool = True) -> Path:
+        folder = self.dir / "model"
+        folder.mkdir()
+        for f in self.verifier_dir.iterdir():
+            if weights or f.suffix != ".safetensors":
+                shutil.copy(f, folder / f.name)
+        self.set("verifier.path", str(folder))
+        return folder
+
+    def write_config(self) -> Path:
+        path = self.dir / "config.yaml"
+        path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        return path
+
+    def files(self) -> list[str]:
+        """Every file under the working directory's results/ (what a case must not add to)."""
+        results = self.dir / "results"
+        return sorted(str(p) for p in results.rglob("*")) if results.is_dir() else []
+
+
+def plan(env: Env) -> str:
+    """rules/common.smk's checks on the case's config; the line its ``fail`` prints."""
+    from snakemake.utils import validate
+
+    config = copy.deepcopy(env.config)
+    assert config_errors(config, SCHEMA) == []  # the cases are schema-valid
+    validate(config, schema=str(SCHEMA), set_default=True)
+    run_dir = env.dir / "results" / config["run"]
+    problems = preflight.output_path_problems(run_dir)
+    if problems:
+        return f"error: {problems[0]}\n"
+    try:
+        train = resolve_data_path(config["data"]["train"]["path"], "data.train.path")
+        specs = {"data.eval": config["data"]["eval"]}
+        specs.update(
+            {f"data.extra_eval[{i}]": e for i, e in enumerate(config["data"]["extra_eval"])}
+        )
+        sets = [
+            {"key": k, "path": resolve_data_path(e["path"], f"{k}.path")} for k, e in specs.items()
+        ]
+    except UserError as exc:
+        return f"error: {exc}\n"
+    files = {"data.train.path": train, **{f"{s['key']}.path": s["path"] for s in sets}}
+    problems, _ = preflight.planning_problems(
+        config, run_dir / "verifier" / "verifier.json", files, sets, env.samples
+    )
+    assert problems, "no problem found"
+    return f"error: {problems[0]}\n"
+
+
+def run_verifier_script(env: Env, capfd, monkeypatch) -> str:
+    """scripts/verifier.py as the verifier rule runs it; it must exit with status 1."""
+    section = {"name": None, "trust_remote_code": False, "allow_pickle": False}
+    section["path"] = env.config["verifier"]["path"]
+    argv = ["--verifier", json.dumps(section), "--hf-dir", env.out / "hf"]
+    return run_main("verifier", [*argv, "--out", env.out / "verifier.json"], capfd, monkeypatch)
+
+
+# ---- the bad inputs --------------------------------------------------------------------------
+
+
+def _results_file(relative: str):
+    def setup(env):
+        path = env.dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("not a folder\n")
+
+    return setup
+
+
+def _cut_gguf(keep: Callable[[int], int]):
+    def setup(env):
+        raw = env.gguf.read_bytes()
+        (env.dir / "model.gguf").write_bytes(raw[: keep(len(raw))])
+        env.set("verifier.path", str(env.dir / "model.gguf"))
+
+    return setup
+
+
+def _not_gguf(env):
+    (env.dir / "model.gguf").write_text("I am a text file\n" * 10)
+    env.set("verifier.path", str(env.dir / "model.gguf"))
+
+
+def _gguf_folder(env):
+    (env.dir / "model.gguf").mkdir()
+    env.set("verifier.path", str(env.dir / "model.gguf"))
+
+
+def _gguf_missing(env):
+    env.set("verifier.path", str(env.dir / "missing.gguf"))
+
+
+def _verifier_is_config_file(env):
+    env.set("verifier.path", str(env.model_copy() / "config.json"))
+
+
+def _folder_with_only_a_gguf(env):
+    folder = env.dir / "model"
+    folder.mkdir()
+    shutil.copy(env.gguf, folder / "tiny.Q8_0.gguf")
+    env.set("verifier.path", str(folder))
+
+
+def _config_json(text: str):
+    def setup(env):
+        (env.model_copy() / "config.json").write_text(text)
+
+    return setup
+
+
+def _config_field(**fields):
+    def setup(env):
+        config_path = env.model_copy() / "config.json"
+        config = json.loads(config_path.read_text())
+        config.update(fields)
+        config_path.write_text(json.dumps(config))
+
+    return setup
+
+
+def _set(**dotted):
+    def setup(env):
+        for key, value in dotted.items():
+            env.set(key.replace("__", "."), value)
+
+    return setup
+
+
+def _eval_file(text: str, key: str = "eval"):
+    def setup(env):
+        path = env.dir / f"{key}.jsonl"
+        path.write_text(text)
+        if key == "eval":
+            env.config["data"]["eval"]["path"] = str(path)
+        else:
+            env.config["data"]["extra_eval"] = [{"name": key, "path": str(path)}]
+
+    return setup
+
+
+def _empty_train(env):
+    (env.dir / "train.jsonl").write_text("")
+
+
+def _train_folder(env):
+    (env.dir / "conversations").mkdir()
+    env.config["data"]["train"]["path"] = str(env.dir / "conversations")
+
+
+def _shards_for_prepared(env):
+    env.set("extract.shards", 4)
+    env.samples = 3
+
+
+def _truncated_safetensors(env):
+    weights = env.model_copy() / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) - 4096])
+
+
+def _index_names_missing_file(env):
+    folder = env.model_copy()
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _serve_check(**dotted):
+    def setup(env):
+        env.set("serve_check.enabled", True)
+        env.set("vllm.python", sys.executable)
+        _set(**dotted)(env)
+
+    return setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    setup: Callable[[Env], None]  # breaks one thing
+    where: str  # file[:line] or config key; {dir} is the case's working directory
+    remedy: str
+    stage: str = "plan"  # "plan" (rules/common.smk) or "verifier" (the verifier job)
+    process: bool = False  # also through a real plain snakemake process
+
+
+GGUF_REMEDY = "download or convert the file again"
+CONTEXT = "max_position_embeddings 2048"
+
+CASES = [
+    # -- result folders
+    Case("run-folder-is-a-file", _results_file("results/t"),
+         "results/t: a file is where the run's folder should be",
+         "move or delete it, or choose another run name (config key run)", process=True),
+    Case("results-folder-is-a-file", _results_file("results"),
+         "results: a file is where a folder of", "move or delete it"),
+    Case("stage-folder-is-a-file", _results_file("results/t/checkpoint"),
+         "results/t/checkpoint: a file is where the run writes a folder", "move or delete it"),
+    # -- verifier.path: local GGUF files and folders of every wrong shape
+    Case("local-gguf-missing", _gguf_missing,
+         "config key verifier.path: '{dir}/missing.gguf' does not exist", "fix the path"),
+    Case("local-gguf-truncated-in-its-tensors", _cut_gguf(lambda n: n - 1000),
+         "{dir}/model.gguf: truncated GGUF file: its tensors end at byte", GGUF_REMEDY,
+         process=True),
+    Case("local-gguf-cut-in-its-header", _cut_gguf(lambda n: 300),
+         "{dir}/model.gguf: truncated GGUF file: it ends inside its header", GGUF_REMEDY),
+    Case("local-gguf-is-not-gguf", _not_gguf, "{dir}/model.gguf: not a GGUF file",
+         "point verifier.path at a .gguf model file"),
+    Case("local-gguf-path-is-a-folder", _gguf_folder,
+         "config key verifier.path: '{dir}/model.gguf' is a folder, not a GGUF file",
+         "fix the path"),
+    Case("verifier-path-is-a-plain-file", _verifier_is_config_file,
+         "config key verifier.path: '{dir}/model/config.json' is a file, not a model folder",
+         "point it at the folder that holds the model's config.json, or at a .gguf file"),
+    Case("verifier-folder-holds-only-a-gguf", _folder_with_only_a_gguf,
+         "config key verifier.path: '{dir}/model' is not a model folder (no config.json)",
+         "it holds tiny.Q8_0.gguf: point verifier.path at that file"),
+    Case("verifier-config-is-not-a-model-config", _config_json('{"tokenizer_class": "X"}'),
+         "{dir}/model/config.json: not a model's config (no model_type)",
+         "point verifier.path at the model's own folder", process=True),
+    Case("verifier-config-is-a-json-array", _config_json("[1, 2]"),
+         "{dir}/model/config.json: not a JSON object", "fix or replace its config.json"),
+    Case("verifier-config-field-of-the-wrong-type", _config_field(num_hidden_layers="eight"),
+         "{dir}/model/config.json: not a valid model config", "fix or replace its config.json",
+         stage="verifier"),
+    Case("verifier-config-unknown-model-type", _config_field(model_type="no-such-model"),
+         "{dir}/model/config.json: not a valid model config", "fix or replace its config.json",
+         stage="verifier"),
+    Case("verifier-weights-truncated", _truncated_safetensors,
+         "{dir}/model/model.safetensors: truncated or corrupt safetensors file",
+         "download or copy the model again", stage="verifier", process=True),
+    Case("verifier-index-names-a-missing-file", _index_names_missing_file,
+         "{dir}/model/model.safetensors.index.json: names 1 missing weight file(s)",
+         "copy the model folder again", stage="verifier"),
+    Case("local-gguf-truncated-reaching-the-verifier-job", _cut_gguf(lambda n: n // 2),
+         "{dir}/model.gguf: truncated GGUF file", GGUF_REMEDY, stage="verifier"),
+    # -- settings against the verifier (its config.json / GGUF header), before any job
+    Case("aux-layer-beyond-the-verifier", _set(extract__aux_layers=[2, 4, 8]),
+         "config key extract.aux_layers: layer id(s) [8] out of range [0, 7]",
+         "use ids from 0 to 7"),
+    Case("default-aux-layers-of-a-2-layer-verifier", _config_field(num_hidden_layers=2),
+         "config key extract.aux_layers: the default [2, 1, -1] is invalid",
+         "set extract.aux_layers to distinct ids in [0, 1]"),
+    Case("draft-vocab-beyond-the-gguf-vocab",
+         lambda env: (_gguf_as_verifier(env), env.set("train.draft_vocab_size", 1000)),
+         "config key train.draft_vocab_size: 1000 is larger than the verifier vocab (400)",
+         "use at most 400"),
+    Case("draft-vocab-beyond-the-verifier-vocab", _set(train__draft_vocab_size=100000),
+         "config key train.draft_vocab_size: 100000 is larger than the verifier vocab (400)",
+         "use at most 400", process=True),
+    Case("max-length-beyond-the-context", _set(data__max_length=4096),
+         "config key data.max_length: 4096 is longer than the verifier's context", "use at most 2048"),
+    Case("eval-new-tokens-fill-the-context", _set(evaluate__max_new_tokens=2048),
+         "config key evaluate.max_new_tokens: 2048 new tokens leave no room for the prompt",
+         "use fewer than 2048"),
+    Case("regenerate-new-tokens-fill-the-context",
+         _set(regenerate__enabled=True, regenerate__max_new_tokens=5000),
+         "config key regenerate.max_new_tokens: 5000 new tokens", "use fewer than 2048"),
+    Case("vllm-max-model-len-beyond-the-context", _serve_check(vllm__max_model_len=4096),
+         "config key vllm.max_model_len: 4096 is longer than the verifier's context",
+         "use at most 2048, or null"),
+    # -- settings against each other
+    Case("k-beyond-max-new-tokens", _set(evaluate__k=[3, 8], evaluate__max_new_tokens=4),
+         "config key evaluate.k: k = 8 proposes more tokens per step than",
+         "use k of at most 4, or raise evaluate.max_new_tokens", process=True),
+    Case("full-attention-layer-beyond-the-draft", _set(train__full_attention_layers=[1]),
+         "config key train.full_attention_layers: layer id(s) [1] out of range",
+         "use ids from 0 to 0, or raise train.num_layers"),
+    Case("more-shards-than-max-samples",
+         _set(extract__shards=4, data__train={"path": "PLACEHOLDER", "max_samples": 3}),
+         "config key extract.shards: 4 shards for at most 3 samples", "use at most 3 shards"),
+    Case("more-shards-than-prepared-samples", _shards_for_prepared,
+         "config key extract.shards: 4 shards for the 3 samples prepare made",
+         "use at most 3 shards"),
+    Case("flex-attention-on-a-cpu-train-job", _set(train__attention="simple_flex_attention"),
+         "config key train.attention: flex attention has no backward pass on CPU",
+         "use sdpa or eager"),
+    Case("fused-loss-on-a-cpu-train-job", _set(train__loss="fused"),
+         "config key train.loss: the fused loss needs a GPU", "use eager or auto"),
+    Case("flex-attention-block-size-on-a-gpu", _set(train__gpus=1, train__total_seq_len=200),
+         "config key train.total_seq_len: 200 is not a multiple of 128", "use e.g. 256"),
+    Case("regenerate-workers-share-gpus-unevenly",
+         _set(regenerate__enabled=True, regenerate__gpus=3, regenerate__workers=2),
+         "config key regenerate.workers: 2 workers cannot share 3 GPU(s) evenly",
+         "make regenerate.gpus a multiple of regenerate.workers"),
+    # -- input files
+    Case("eval-prompt-empty", _eval_file('{"turns": ["  "]}\n'), "{dir}/eval.jsonl:1: empty prompt",
+         "write the prompt or remove the line", process=True),
+    Case("eval-file-of-blank-lines", _eval_file("\n\n"),
+         "{dir}/eval.jsonl: no evaluation prompts found", "add prompt records"),
+    Case("eval-record-not-an-object", _eval_file('{"turns": ["hi"]}\n[1, 2]\n'),
+         "{dir}/eval.jsonl:2: a prompt record must be a JSON object", "fix or remove the line"),
+    Case("extra-eval-prompt-empty", _eval_file('{"prompt": "def f():"}\n{"prompt": ""}\n', "extra"),
+         "{dir}/extra.jsonl:2: empty prompt", "(config key data.extra_eval[0].path)"),
+    Case("train-file-empty", _empty_train,
+         "config key data.train.path: file '{dir}/train.jsonl' is empty",
+         "point data.train.path at a file of records"),
+    Case("train-path-is-a-folder", _train_folder,
+         "config key data.train.path: '{dir}/conversations' is a folder, not a file",
+         "point data.train.path at a JSON or JSONL file"),
+]  # fmt: skip
+
+
+def _gguf_as_verifier(env):
+    shutil.copy(env.gguf, env.dir / "tiny.gguf")
+    env.set("verifier.path", str(env.dir / "tiny.gguf"))
+
+
+def setup_case(case: Case, folder: Path, verifier_dir: Path, gguf: Path) -> Env:
+    env = Env(folder, verifier_dir, gguf)
+    case.setup(env)
+    train = env.config["data"]["train"]
+    if train.get("path") == "PLACEHOLDER":
+        train["path"] = str(env.dir / "train.jsonl")
+    env.write_config()
+    return env
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_edge_case(case, tmp_path, verifier_dir, gguf, capfd, monkeypatch):
+    env = setup_case(case, tmp_path, verifier_dir, gguf)
+    before = env.files()
+    run = plan if case.stage == "plan" else lambda e: run_verifier_script(e, capfd, monkeypatch)
+    err = run(env)
+    line = one_error_line(err)  # (a)
+    where = case.where.format(dir=env.dir)
+    assert where in line, f"(b) {where!r} not named in {line!r}"
+    assert case.remedy in line, f"(c) no remedy {case.remedy!r} in {line!r}"
+    assert line.index(where) < line.index(case.remedy)
+    assert env.files() == before and leftovers(env.out) == [], "(d) something was written"
+
+
+def test_the_table_is_large_and_distinct():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 20
+    assert sum(c.process for c in CASES) >= 5
+
+
+# ---- the same cases through a real plain `snakemake` ------------------------------------------
+
+
+PROCESS_CASES = [c for c in CASES if c.process]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory, verifier_dir, gguf):
+    """{case id: (env, finished process)}: `snakemake --configfile config.yaml --cores 2` in
+    each case's working directory, all started at once (planning failures take seconds each;
+    the one job failure, the verifier's, its import of transformers)."""
+    env_vars = dict(os.environ)
+    env_vars["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env_vars.get('PATH', '')}"
+    started = {}
+    for case in PROCESS_CASES:
+        env = setup_case(case, tmp_path_factory.mktemp(case.id), verifier_dir, gguf)
+        cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+        cmd += ["--configfile", "config.yaml", "--cores", "2"]
+        proc = subprocess.Popen(
+            cmd, cwd=env.dir, env=env_vars, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        started[case.id] = (env, env.files(), proc)
+    runs = {}
+    for case_id, (env, before, proc) in started.items():
+        out, _ = proc.communicate(timeout=300)
+        runs[case_id] = (env, before, proc.returncode, out)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PROCESS_CASES, ids=[c.id for c in PROCESS_CASES])
+def test_edge_case_through_plain_snakemake(case, plain_runs):
+    env, before, returncode, terminal = plain_runs[case.id]
+    assert returncode != 0, terminal
+    assert "Using workflow specific profile" in terminal  # profiles/default, as for a user
+    line = one_error_line_anywhere(terminal)  # (a) on the terminal, as the user sees it
+    where = case.where.format(dir=env.dir)
+    assert where in line and case.remedy in line, (where, case.remedy, line)
+    run = env.dir / "results" / "t"
+    written = [
+        p for p in env.files()
+        if p not in before and Path(p).is_file() and not _job_bookkeeping(run, Path(p))
+    ]  # fmt: skip
+    assert written == [], f"(d) {written}"
+
+
+def _job_bookkeeping(run: Path, path: Path) -> bool:
+    """A failed job's log, its writer lock and benchmark: records of the attempt, not results."""
+    return path.parent in (run / "logs", run / ".locks", run / "benchmarks")
+
+
+def one_error_line_anywhere(terminal: str) -> str:
+    """The one ``error:`` line of a snakemake run's terminal output (Snakemake's own lines
+    around it, the failed job's log between its ``====`` rulers)."""
+    assert "Traceback" not in terminal, terminal
+    errors = [line for line in terminal.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, terminal
+    return errors[0]
+
+
+# ---- the good case: a local .gguf file as verifier.path --------------------------------------
+
+
+def test_a_local_gguf_is_converted_and_identified_by_its_content(
+    gguf, verifier_model, tokenizer, tmp_path
+):
+    """A local GGUF file is checked whole, hashed and converted (as a packaged one) into an HF
+    folder that computes what the model it was written from computes; planning reads the same
+    facts from its header as the record holds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3lib.verifier import materialize
+
+    record = materialize(str(gguf), None, tmp_path / "hf")
+    assert record["kind"] == "gguf" and record["load_path"] == str(tmp_path / "hf")
+    assert record["name"] == "tiny-llama"
+    assert record["gguf"] == {
+        "file": gguf.name,
+        "bytes": gguf.stat().st_size,
+        "sha256": sha256_file(gguf),
+    }
+    facts = preflight.verifier_facts(str(gguf), tmp_path / "no-record.json")
+    assert facts == preflight.VerifierFacts(str(gguf), 8, 64, 400, 2048)
+    assert facts == preflight.facts_from_record(record, str(gguf))
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode("Tell me about the draft model")])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, verifier_model(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("a draft") == tokenizer.encode(
+        "a draft"
+    )
+
+
+@pytest.mark.slow
+def test_a_local_gguf_verifier_in_the_workflow(gguf, tmp_path, tmp_path_factory):
+    """verifier.path: models/tiny-llama.gguf (relative) in a real run: converted once under
+    results/<run>/verifier/hf; a file with other content under the same name reruns it."""
+    from conftest import job_counts, run_snakemake
+
+    (tmp_path / "models").mkdir()
+    shutil.copy2(gguf, tmp_path / "models" / "tiny-llama.gguf")
+    env = Env(tmp_path, Path("models/tiny-llama.gguf"), gguf)
+    config = env.write_config()
+    target = "results/t/verifier/verifier.json"
+    run_snakemake(tmp_path, config, target)
+    record = json.loads((tmp_path / target).read_text())
+    assert record["kind"] == "gguf" and record["load_path"] == "hf"  # inside the run folder
+    assert (tmp_path / "results/t/verifier/hf/model.safetensors").is_file()
+    assert record["gguf"]["sha256"] == sha256_file(tmp_path / "models" / "tiny-llama.gguf")
+    assert "Nothing to be done" in run_snakemake(tmp_path, config, target, "-n").stdout
+    other = tiny.build_verifier(tmp_path_factory.mktemp("other") / "tiny-llama", seed=1)
+    tiny.build_gguf(tmp_path / "models" / "tiny-llama.gguf", other)
+    plan = run_snakemake(tmp_path, config, target, "-n")
+    assert job_counts(plan.stdout) == {"verifier": 1}
