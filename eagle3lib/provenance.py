@@ -19,7 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.fileio import canonical_json, read_json, sha256_file, sha256_json, write_json
+from eagle3lib.fileio import (
+    canonical_json,
+    read_json,
+    remove_stale_temps,
+    sha256_file,
+    sha256_json,
+    write_json,
+)
 
 PACKAGES = (
     "torch",
@@ -115,6 +122,7 @@ def write(
     entry = record(job, config, verifier, seed)
     if stamp:
         entry["stamp"] = {"sha256": sha256_json(json.loads(stamp)), **json.loads(stamp)}
+    remove_stale_temps(path)  # what a writer of this record killed mid-write left
     write_json(path, entry)
 
 

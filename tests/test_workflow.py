@@ -344,37 +344,31 @@ def test_a_setting_the_train_job_cannot_run_stops_the_run_before_any_job(ws):
     assert "rule train" not in out and "Job stats" not in out
 
 
-def test_a_failing_train_job_shows_its_one_line_on_a_plain_snakemake_terminal(ws):
+def test_a_failing_train_job_shows_its_one_line_on_a_plain_snakemake_terminal(ws, tmp_path):
     """A job that fails (a shard whose bytes changed after it was built, same size, so only
     the train job's sha256 check can tell): a plain `snakemake`, with profiles/default as a
-    user gets it, prints the job's one error line on the terminal, and keeps no checkpoint."""
-    import os
+    user gets it, prints the job's one error line on the terminal, and keeps no checkpoint.
+    In a copy of the run (cp -a), so the shared workspace stays built."""
     import shutil
 
-    hidden = ws.results / "hidden_states"
-    saved = ws.dir / "saved"
-    saved.mkdir()
-    for name in ("shard-0.safetensors", "shard-0.json"):
-        shutil.copy2(hidden / name, saved / name)
-    shard = hidden / "shard-0.safetensors"
+    copy = tmp_path / "copy"
+    shutil.copytree(ws.dir / "results", copy / "results", copy_function=shutil.copy2, symlinks=True)
+    config = copy / "config.yaml"
+    config.write_text(ws.config.read_text())
+    results = copy / ws.results.relative_to(ws.dir)
+    shard = results / "hidden_states" / "shard-0.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))  # newer than the checkpoint: train reruns
-    try:
-        proc = run_snakemake(ws.dir, ws.config, check=False, workflow_profile=None)
-    finally:  # the shard and manifest as built (train removes a mismatching manifest)
-        for name in ("shard-0.safetensors", "shard-0.json"):
-            shutil.copy2(saved / name, hidden / name)
-        stat = (saved / "shard-0.safetensors").stat()
-        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    proc = run_snakemake(copy, config, check=False, workflow_profile=None)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Error in rule train" in out
     assert "Using workflow specific profile" in out and "Traceback" not in out
     [line] = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert line.startswith(f"error: {shard.relative_to(ws.dir)}: content does not match")
+    assert line.startswith(f"error: {shard.relative_to(copy)}: content does not match")
     assert line.endswith("rerun the workflow to rebuild this shard")
-    assert line in (ws.results / "logs" / "train.log").read_text().splitlines()
-    assert not (ws.results / "checkpoint" / "model.safetensors").exists()
+    assert line in (results / "logs" / "train.log").read_text().splitlines()
+    assert not (results / "checkpoint" / "model.safetensors").exists()
 
 
 def test_acceptance_gate_fails_the_build_naming_set_k_and_both_numbers(ws):
