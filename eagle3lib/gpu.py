@@ -338,6 +338,7 @@ def main(args: Sequence[str] | None = None) -> int:
     r.add_argument("--log", type=Path, help="write the job's output here")
     r.add_argument("--echo", help="regex: matching parts of output lines also go to stderr")
     r.add_argument("--nodes", type=int, default=1, help="SLURM nodes: one srun task on each")
+    r.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
     r.add_argument("--cpus-per-node", type=int, help="CPUs of each node's srun task")
     r.add_argument(
         "--per-node", action="store_true", help="a node's task: record this node (SLURM_NODEID)"
@@ -355,8 +356,9 @@ def main(args: Sequence[str] | None = None) -> int:
         parser.error("no command given after --")
     try:
         if ns.nodes > 1:
+            gpus = multinode.per_node(ns.nodes, ns.gpus, ns.node_gpus)
             return run_over_nodes(
-                command, ns.nodes, ns.gpus, ns.cpus_per_node, ns.record, ns.rule, ns.lock_dir,
+                command, ns.nodes, gpus, ns.cpus_per_node, ns.record, ns.rule, ns.lock_dir,
                 ns.log, ns.echo,
             )  # fmt: skip
         record = ns.record

@@ -136,6 +136,13 @@ def node_launch(env: Mapping[str, str]) -> tuple[str, str, int]:
     return endpoint, rdzv_id, int(node)
 
 
+def per_node(nodes: int, gpus: int, node_gpus: int) -> int:
+    """A train job's GPUs on each node: its ``gpu`` resource on one node (the workstation
+    profile's cap may have lowered it), ``node_gpus`` on several (``gpu`` is 0 there: sbatch
+    asks for them per node)."""
+    return gpus if nodes == 1 else node_gpus
+
+
 def relaunch(
     nodes: int, processes: int, script: Sequence[str], env: Mapping[str, str]
 ) -> tuple[bool, list[str] | None]:

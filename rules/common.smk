@@ -143,12 +143,14 @@ def train_section():
 
 def train_resources():
     """The train job's resources. On one node its GPUs are the standard `gpu` resource (sbatch
-    --gpus=N; the workstation profile's cap). On several (train.nodes > 1, SLURM only) they
-    are asked per node, `gres` gpu:N (sbatch --gres is per node, --gpus is not), and the job
-    is an `mpi` job of one task per node: the SLURM job-step executor then runs the command
-    without an srun around it, and the command starts its own srun step (its `tasks`; with
-    `tasks_per_gpu` 0 the plugin does not turn them into --ntasks-per-gpu). `node_gpus` is
-    train.gpus for the command line; no plugin reads it."""
+    --gpus=N; the workstation profile's cap may lower it). On several (train.nodes > 1, SLURM
+    only) `gpu` is 0 and the GPUs are asked per node, `gres` gpu:N (sbatch --gres counts per
+    node, --gpus does not), and the job is an `mpi` job of one task per node: the SLURM
+    job-step executor then runs the command without an srun around it, and the command starts
+    its own srun step (its `tasks`; with `tasks_per_gpu` 0 the plugin does not turn them into
+    --ntasks-per-gpu). `node_gpus` (train.gpus) is the GPUs of each node for the command line;
+    no plugin reads it. The command line is the same for any train.nodes: a changed count
+    reruns nothing (Snakemake reruns a job whose command text changed)."""
     train = config["train"]
     resources = {
         "nodes": train["nodes"],
@@ -157,27 +159,8 @@ def train_resources():
     }
     if train["nodes"] == 1:
         return {**resources, "gpu": train["gpus"]}
-    resources.update(mpi="srun", tasks=train["nodes"], tasks_per_gpu=0)
+    resources.update(gpu=0, mpi="srun", tasks=train["nodes"], tasks_per_gpu=0)
     return {**resources, **({"gres": f"gpu:{train['gpus']}"} if train["gpus"] else {})}
-
-
-def train_gpus():
-    """The train job's GPUs per node in its command: on one node the `gpu` resource (which the
-    workstation profile's cap may lower), on several `node_gpus`."""
-    return (
-        "{resources.gpu}" if config["train"]["nodes"] == 1 else "{resources.node_gpus}"
-    )
-
-
-def train_launch():
-    """The GPU wrapper's options of the train job: the devices it leases, and on several
-    nodes one srun task per node with the node's GPUs and the job's threads (per node).
-    """
-    if config["train"]["nodes"] == 1:
-        return f"--gpus {train_gpus()}"
-    return (
-        f"--gpus {train_gpus()} --nodes {{resources.nodes}} --cpus-per-node {{threads}}"
-    )
 
 
 def train_nodes_allowed(wildcards):

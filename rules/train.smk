@@ -33,13 +33,14 @@ rule train:
         stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
-        f"exec python {{input.gpu_job}} {train_launch()} --rule train"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --nodes {resources.nodes}"
+        " --node-gpus {resources.node_gpus} --cpus-per-node {threads} --rule train"
         " --record {output.gpu} --log {log} --echo 'train: step .*' --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
-        " --train {params.train:q} --state-dir {params.state}"
+        " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
+        " --nodes {resources.nodes} --node-gpus {resources.node_gpus}"
         " --threads {threads} --loader-threads {resources.loader_threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
         " --provenance {output.provenance} --stamp {params.stamp:q}"
-        f" --nodes {{resources.nodes}} --gpus {train_gpus()}"

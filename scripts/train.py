@@ -16,7 +16,7 @@ from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
 from eagle3lib.lifetime import hold_folders
-from eagle3lib.multinode import relaunch
+from eagle3lib.multinode import per_node, relaunch
 from eagle3lib.verifier import read_record
 
 
@@ -31,6 +31,7 @@ def parse():
     p.add_argument("--gpus", type=int, default=0, help="GPUs leased for this job")
     p.add_argument("--processes", type=int, default=None, help="DDP processes (default: --gpus)")
     p.add_argument("--nodes", type=int, default=1, help="train.nodes (processes are per node)")
+    p.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--loader-threads", type=int, default=None, help="train.loader_threads")
     p.add_argument("--out-config", type=Path, required=True)
@@ -45,7 +46,7 @@ def parse():
 @cli
 def main() -> None:
     a = parse()
-    processes = a.processes if a.processes is not None else a.gpus
+    processes = a.processes if a.processes is not None else per_node(a.nodes, a.gpus, a.node_gpus)
     lock, torchrun = relaunch(a.nodes, processes, [__file__, *sys.argv[1:]], os.environ)
     if lock:
         hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)

@@ -200,10 +200,12 @@ def two_node_job(pipeline, work: Path, cfg) -> tuple[list[str], dict[str, str]]:
     env = slurm_stub.environment(stubs, SLURM_JOB_ID=JOB_ID, STUB_SLURM_NODELIST=NODELIST)
     cmd = [
         sys.executable, str(ROOT / "scripts" / "gpu_job.py"),
-        "--gpus", "1", "--nodes", "2", "--cpus-per-node", "1", "--rule", "train",
-        "--record", str(work / "gpu" / "train.json"), "--lock-dir", str(work / "locks"),
-        "--log", str(work / "train.log"), "--echo", "train: step .*",
-        "--", *train_command(pipeline, work, cfg), "--nodes", "2", "--gpus", "1",
+        "--gpus", "0", "--nodes", "2", "--node-gpus", "1", "--cpus-per-node", "1",
+        "--rule", "train", "--record", str(work / "gpu" / "train.json"),
+        "--lock-dir", str(work / "locks"), "--log", str(work / "train.log"),
+        "--echo", "train: step .*",
+        "--", *train_command(pipeline, work, cfg), "--gpus", "0", "--nodes", "2",
+        "--node-gpus", "1",
     ]  # fmt: skip
     return cmd, env
 
@@ -406,9 +408,9 @@ def test_two_node_job_through_the_slurm_executor_trains_one_nodes_bytes(
         ".snakemake/gpu_locks",
     ]  # fmt: skip
     command = srun[split + 1 :]
-    assert command[1].endswith("scripts/train.py") and command[-4:] == [
-        "--nodes", "2", "--gpus", "1",
-    ]  # fmt: skip
+    assert command[1].endswith("scripts/train.py")
+    at = command.index("--gpus")
+    assert command[at : at + 6] == ["--gpus", "0", "--nodes", "2", "--node-gpus", "1"]
     assert from_json(TrainConfig, command[command.index("--train") + 1]) == reference
     # srun's output, labelled with the task; rank 0 (which prints) is on either "node":
     # c10d numbers the nodes as they arrive
