@@ -8,9 +8,15 @@ kernel releases even on SIGKILL, records NVML used memory per leased device, run
 in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again
 once the command's main process has exited: anything it left running in its group is still
 alive then, so its memory shows; such processes are recorded and stopped before the lease is
-released. On a machine without an NVIDIA driver the record says so. The command gets SIGTERM
-when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
+released. On a machine without an NVIDIA driver the record says so. Each record names its
+host: device indices are per host, and each record is compared only with itself. The command
+gets SIGTERM when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
 eagle3lib/lifetime.py).
+
+With ``--nodes N`` (a train job over N SLURM nodes) the wrapper leases nothing itself: it runs
+the command through one ``srun`` step with one task per node, each task this wrapper again
+(``--per-node``) leasing and recording its node's GPUs, and merges the nodes' records into one
+(eagle3lib/multinode.py).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.fileio import write_json
+from eagle3lib import multinode
+from eagle3lib.errors import UserError
+from eagle3lib.fileio import read_json, write_json
 from eagle3lib.lifetime import child_dies_with_me
 
 # Memory a finished job may leave on a device before validation calls it a leak.
@@ -191,6 +199,34 @@ def pump(stream, log: Path, echo: re.Pattern | None) -> threading.Thread:
     return thread
 
 
+def start(argv: Sequence[str], env: dict[str, str], log: Path | None, echo: str | None):
+    """Start ``argv`` in its own process group (stopped as a whole), with SIGTERM when this
+    wrapper dies; with ``log`` its output goes there (lines matching ``echo`` also to the
+    terminal). Returns the process and the thread copying its output (or None)."""
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if log else {}
+    proc = subprocess.Popen(
+        list(argv), env=env, start_new_session=True, preexec_fn=child_dies_with_me(), **output
+    )
+    pumping = pump(proc.stdout, log, re.compile(echo) if echo else None) if log else None
+    return proc, pumping
+
+
+def wait(proc: subprocess.Popen, pumping: threading.Thread | None) -> int:
+    """The job's exit status; SIGTERM (how snakemake and schedulers stop jobs) or any other
+    exception stops its whole group first."""
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        rc = proc.wait()
+        if pumping:
+            pumping.join()
+        return rc
+    except BaseException:
+        stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(
     argv: Sequence[str],
     gpus: int,
@@ -208,26 +244,8 @@ def run(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         before = nvml_snapshot(devices or None)
         t0 = time.time()
-        # own process group (stopped as a whole), SIGTERM when this wrapper dies
-        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT} if log else {}
-        proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            start_new_session=True,
-            preexec_fn=child_dies_with_me(),
-            **output,
-        )
-        pumping = pump(proc.stdout, log, re.compile(echo) if echo else None) if log else None
-        previous = signal.signal(signal.SIGTERM, _raise_exit)  # snakemake stops jobs with TERM
-        try:
-            rc = proc.wait()
-            if pumping:
-                pumping.join()
-        except BaseException:
-            stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
-            raise
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        proc, pumping = start(argv, env, log, echo)
+        rc = wait(proc, pumping)
         # Anything the job started and left running (a server, a worker) holds memory:
         # record it, read NVML while it still runs, then stop it before the lease ends.
         stragglers = group_alive(proc.pid)
@@ -240,6 +258,7 @@ def run(
         record,
         {
             "rule": rule,
+            "host": socket.gethostname(),
             "gpus_requested": gpus,
             "devices": devices,
             "seconds": round(time.time() - t0, 2),
@@ -249,6 +268,62 @@ def run(
             "leaks": leaked(before, after),
         },
     )
+    return 0
+
+
+def run_over_nodes(
+    argv: Sequence[str],
+    nodes: int,
+    gpus: int,
+    cpus: int | None,
+    record: Path,
+    rule: str,
+    lock_dir: Path,
+    log: Path | None = None,
+    echo: str | None = None,
+) -> int:
+    """Run ``argv`` once on each of ``nodes`` nodes of this SLURM allocation through one
+    ``srun`` step (eagle3lib/multinode.py): each node's task is this wrapper again, leasing
+    and recording that node's ``gpus`` GPUs; the tasks find the c10d rendezvous endpoint (the
+    allocation's first host, a port free here) in their environment. ``record`` gets every
+    node's record, each with its host."""
+    hosts = multinode.allocation_hosts(os.environ)
+    if len(hosts) < nodes:
+        raise UserError(
+            f"{rule}: {nodes} nodes asked for, the allocation has {len(hosts)} ({hosts}); "
+            "submit the job with --profile profiles/slurm, which asks for the nodes"
+        )
+    env = multinode.launch_environment(os.environ, hosts, multinode.free_port())
+    parts = [multinode.node_record(record, node) for node in range(nodes)]
+    for part in parts:
+        part.unlink(missing_ok=True)
+    per_node = multinode.gpu_job_per_node(gpus, rule, record, lock_dir, argv)
+    t0 = time.time()
+    proc, pumping = start(multinode.srun_argv(nodes, gpus, cpus, per_node), env, log, echo)
+    rc = wait(proc, pumping)
+    stragglers = group_alive(proc.pid)
+    if stragglers:
+        stop_group(proc.pid)
+    if rc != 0:
+        return rc
+    missing = [str(p) for p in parts if not p.exists()]
+    if missing:
+        raise UserError(f"{rule}: srun ended without the records of every node ({missing})")
+    write_json(
+        record,
+        {
+            "rule": rule,
+            "nodes": nodes,
+            "hosts": hosts[:nodes],
+            "gpus_requested": gpus,
+            "seconds": round(time.time() - t0, 2),
+            "rendezvous": env[multinode.ENDPOINT_VAR],
+            "per_node": [read_json(p) for p in parts],
+            "stray_processes": stragglers,
+        },
+    )
+    for part in parts:
+        part.unlink()
     return 0
 
 
@@ -262,6 +337,12 @@ def main(args: Sequence[str] | None = None) -> int:
     r.add_argument("--lock-dir", type=Path, default=Path(".snakemake/gpu_locks"))
     r.add_argument("--log", type=Path, help="write the job's output here")
     r.add_argument("--echo", help="regex: matching parts of output lines also go to stderr")
+    r.add_argument("--nodes", type=int, default=1, help="SLURM nodes: one srun task on each")
+    r.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
+    r.add_argument("--cpus-per-node", type=int, help="CPUs of each node's srun task")
+    r.add_argument(
+        "--per-node", action="store_true", help="a node's task: record this node (SLURM_NODEID)"
+    )
     r.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("snapshot", help="print the NVML reading")
     ns = parser.parse_args(args)
@@ -273,7 +354,20 @@ def main(args: Sequence[str] | None = None) -> int:
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("no command given after --")
-    return run(command, ns.gpus, ns.record, ns.rule, ns.lock_dir, ns.log, ns.echo)
+    try:
+        if ns.nodes > 1:
+            gpus = multinode.per_node(ns.nodes, ns.gpus, ns.node_gpus)
+            return run_over_nodes(
+                command, ns.nodes, gpus, ns.cpus_per_node, ns.record, ns.rule, ns.lock_dir,
+                ns.log, ns.echo,
+            )  # fmt: skip
+        record = ns.record
+        if ns.per_node:
+            record = multinode.node_record(record, int(os.environ.get("SLURM_NODEID", "0")))
+        return run(command, ns.gpus, record, ns.rule, ns.lock_dir, ns.log, ns.echo)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

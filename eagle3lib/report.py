@@ -15,31 +15,48 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def gpu_memory_entry(r: dict[str, Any]) -> dict[str, Any]:
+    """One host's NVML readings before/after a job, or the honest reason there are none."""
+    before, after = r["before"], r["after"]
+    entry: dict[str, Any] = {
+        "rule": r["rule"],
+        "host": r.get("host"),
+        "gpus_requested": r["gpus_requested"],
+    }
+    if not before.get("available"):
+        entry.update(available=False, reason=before.get("reason"))
+    else:
+        entry.update(
+            available=True,
+            devices=[
+                {
+                    "index": b["index"],
+                    "name": b["name"],
+                    "before_mib": b["used_mib"],
+                    "after_mib": a["used_mib"],
+                }
+                for b, a in zip(before["devices"], after["devices"], strict=True)
+            ],
+        )
+    entry["leaks"] = leaked(before, after)
+    entry["stray_processes"] = r.get("stray_processes", False)
+    return entry
+
+
 def gpu_memory_table(records: dict[str, Path]) -> dict[str, Any]:
-    """Per GPU job: NVML readings before/after, or the honest reason there are none."""
+    """Per GPU job, and per node of a job over several nodes (``<job> node <i>``): the
+    readings of the host that ran it. Device indices are per host, so each entry compares a
+    host's devices only with themselves: jobs on different nodes never mix."""
     table = {}
     for job, path in sorted(records.items()):
         r = read_json(path)
-        before, after = r["before"], r["after"]
-        entry: dict[str, Any] = {"rule": r["rule"], "gpus_requested": r["gpus_requested"]}
-        if not before.get("available"):
-            entry.update(available=False, reason=before.get("reason"))
+        if "per_node" in r:
+            for i, part in enumerate(r["per_node"]):
+                table[f"{job} node {i}"] = gpu_memory_entry(part)
+            if r.get("stray_processes"):  # the srun step's own leftovers
+                table[f"{job} node 0"]["stray_processes"] = True
         else:
-            entry.update(
-                available=True,
-                devices=[
-                    {
-                        "index": b["index"],
-                        "name": b["name"],
-                        "before_mib": b["used_mib"],
-                        "after_mib": a["used_mib"],
-                    }
-                    for b, a in zip(before["devices"], after["devices"], strict=True)
-                ],
-            )
-        entry["leaks"] = leaked(before, after)
-        entry["stray_processes"] = r.get("stray_processes", False)
-        table[job] = entry
+            table[job] = gpu_memory_entry(r)
     return table
 
 
@@ -116,9 +133,10 @@ def gpu_problems(gpu_memory: dict[str, Any]) -> list[str]:
     """GPU jobs that left device memory or processes behind, one line each naming the job."""
     problems = []
     for job, entry in gpu_memory.items():
-        problems += [f"{job}: {leak}" for leak in entry["leaks"]]
+        where = f"{job} on {entry['host']}" if entry.get("host") else job
+        problems += [f"{where}: {leak}" for leak in entry["leaks"]]
         if entry["stray_processes"]:
-            problems.append(f"{job}: left processes running after it finished")
+            problems.append(f"{where}: left processes running after it finished")
     return problems
 
 
@@ -401,14 +419,15 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
         lines += ["## Problems", ""] + [f"- {p}" for p in summary["problems"]] + [""]
     lines += ["## GPU memory (NVML, before/after each GPU-capable job)", ""]
     for job, entry in summary["gpu_memory"].items():
+        where = f"`{job}` on {entry['host']}" if entry.get("host") else f"`{job}`"
         if not entry["available"]:
-            lines.append(f"- `{job}`: {entry['reason']}")
+            lines.append(f"- {where}: {entry['reason']}")
         else:
             devs = "; ".join(
                 f"GPU {d['index']} {d['before_mib']:.0f} → {d['after_mib']:.0f} MiB"
                 for d in entry["devices"]
             )
-            lines.append(f"- `{job}`: {devs or 'no GPU leased'}")
+            lines.append(f"- {where}: {devs or 'no GPU leased'}")
     lines += ["", "## Time per job (s)", ""]
     lines += [f"- `{job}`: {s}" for job, s in summary["seconds_per_job"].items()]
     lines += ["", "## Disk per stage", ""]
@@ -448,11 +467,14 @@ def html_tables(summary: dict[str, Any]) -> str:
     gpu_rows = []
     for job, e in summary["gpu_memory"].items():
         if not e["available"]:
-            gpu_rows.append([job, "-", e["reason"], "-", ", ".join(e["leaks"]) or "none"])
+            gpu_rows.append(
+                [job, e.get("host") or "-", "-", e["reason"], "-", ", ".join(e["leaks"]) or "none"]
+            )
         for d in e.get("devices", []):
             gpu_rows.append(
                 [
                     job,
+                    e.get("host") or "-",
                     d["index"],
                     d["name"],
                     f"{d['before_mib']:.0f} -> {d['after_mib']:.0f}",
@@ -499,7 +521,7 @@ def html_tables(summary: dict[str, Any]) -> str:
         ),
         (
             "GPU memory (NVML, MiB before -> after)",
-            _table(["job", "GPU", "device / reason", "used MiB", "leaks"], gpu_rows),
+            _table(["job", "host", "GPU", "device / reason", "used MiB", "leaks"], gpu_rows),
         ),
         (
             "Provenance",

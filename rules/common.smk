@@ -11,6 +11,7 @@ from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
+from eagle3lib.multinode import nodes_refusal  # noqa: E402
 from eagle3lib.provenance import stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
@@ -127,9 +128,45 @@ def section(name, drop=("gpus", "gpus_per_job")):
 
 
 def train_section():
-    """The train section as its rule's parameter: GPU and loader-thread counts are resources
-    (they change how fast, not what is trained)."""
-    return section("train", drop=("gpus", "loader_threads"))
+    """The train section as its rule's parameter: GPU, node and loader-thread counts are
+    resources (like the GPUs of one node, the nodes set how many processes share the work).
+    """
+    return section("train", drop=("gpus", "nodes", "loader_threads"))
+
+
+def train_resources():
+    """The train job's resources. On one node its GPUs are the standard `gpu` resource (sbatch
+    --gpus=N; the workstation profile's cap may lower it). On several (train.nodes > 1, SLURM
+    only) `gpu` is 0 and the GPUs are asked per node, `gres` gpu:N (sbatch --gres counts per
+    node, --gpus does not), and the job is an `mpi` job of one task per node: the SLURM
+    job-step executor then runs the command without an srun around it, and the command starts
+    its own srun step (its `tasks`; with `tasks_per_gpu` 0 the plugin does not turn them into
+    --ntasks-per-gpu). `node_gpus` (train.gpus) is the GPUs of each node for the command line;
+    no plugin reads it. The command line is the same for any train.nodes: a changed count
+    reruns nothing (Snakemake reruns a job whose command text changed)."""
+    train = config["train"]
+    resources = {
+        "nodes": train["nodes"],
+        "node_gpus": train["gpus"],
+        "loader_threads": train["loader_threads"],
+    }
+    if train["nodes"] == 1:
+        return {**resources, "gpu": train["gpus"]}
+    resources.update(gpu=0, mpi="srun", tasks=train["nodes"], tasks_per_gpu=0)
+    return {**resources, **({"gres": f"gpu:{train['gpus']}"} if train["gpus"] else {})}
+
+
+def train_nodes_allowed(wildcards):
+    """The train job's input function that adds no input: it runs while the DAG is built,
+    when the executor is known, and stops a run of train.nodes > 1 without SLURM with one
+    line."""
+    plugin = workflow.executor_plugin
+    refusal = nodes_refusal(
+        config["train"]["nodes"], plugin.name if plugin else None, os.environ
+    )
+    if refusal:
+        fail(refusal)
+    return []
 
 
 def prepare_section():

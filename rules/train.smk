@@ -10,6 +10,7 @@ rule train:
         vocab_map=VOCAB_MAP,
         script=script("train.py"),
         gpu_job=script("gpu_job.py"),
+        nodes=train_nodes_allowed,
     output:
         config=CHECKPOINT_CONFIG,
         weights=CHECKPOINT_WEIGHTS,
@@ -23,21 +24,22 @@ rule train:
         benchmark("train")
     conda:
         "../envs/train.yaml"
-    # per process (one per GPU): its training thread and its batch-loading threads
+    # per process (one per GPU of a node): its training thread and its batch-loading threads
     threads: max(1, config["train"]["gpus"]) * (1 + config["train"]["loader_threads"])
     resources:
-        gpu=config["train"]["gpus"],
-        loader_threads=config["train"]["loader_threads"],
+        **train_resources(),
     params:
         train=train_section(),
         stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --rule train --record {output.gpu}"
-        " --log {log} --echo 'train: step .*' --"
+        "exec python {input.gpu_job} --gpus {resources.gpu} --nodes {resources.nodes}"
+        " --node-gpus {resources.node_gpus} --cpus-per-node {threads} --rule train"
+        " --record {output.gpu} --log {log} --echo 'train: step .*' --"
         " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
+        " --nodes {resources.nodes} --node-gpus {resources.node_gpus}"
         " --threads {threads} --loader-threads {resources.loader_threads}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"

@@ -1,6 +1,8 @@
 """Train the EAGLE-3 draft with speculators and export the checkpoint (+ model card).
 
-With --gpus N > 1 it relaunches itself under torchrun (DDP, one process per leased GPU).
+With --gpus N > 1 it relaunches itself under torchrun (DDP, one process per leased GPU); with
+--nodes N > 1 (started once per node by the GPU wrapper's srun step) under a multi-node torchrun
+that meets the other nodes in a c10d rendezvous (eagle3lib/multinode.py).
 """
 
 import argparse
@@ -14,6 +16,7 @@ from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
 from eagle3lib.lifetime import hold_folders
+from eagle3lib.multinode import per_node, relaunch
 from eagle3lib.verifier import read_record
 
 
@@ -27,6 +30,8 @@ def parse():
     p.add_argument("--state-dir", type=Path, required=True, help="resumable trainer state")
     p.add_argument("--gpus", type=int, default=0, help="GPUs leased for this job")
     p.add_argument("--processes", type=int, default=None, help="DDP processes (default: --gpus)")
+    p.add_argument("--nodes", type=int, default=1, help="train.nodes (processes are per node)")
+    p.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--loader-threads", type=int, default=None, help="train.loader_threads")
     p.add_argument("--out-config", type=Path, required=True)
@@ -41,14 +46,12 @@ def parse():
 @cli
 def main() -> None:
     a = parse()
-    if "LOCAL_RANK" not in os.environ:  # a torchrun worker: the lock is torchrun's (inherited)
+    processes = a.processes if a.processes is not None else per_node(a.nodes, a.gpus, a.node_gpus)
+    lock, torchrun = relaunch(a.nodes, processes, [__file__, *sys.argv[1:]], os.environ)
+    if lock:
         hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)
-    processes = a.processes if a.processes is not None else a.gpus
-    if processes > 1 and "LOCAL_RANK" not in os.environ:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        os.execv(
-            sys.executable, [*torchrun, f"--nproc-per-node={processes}", __file__, *sys.argv[1:]]
-        )
+    if torchrun:
+        os.execv(torchrun[0], torchrun)
 
     import torch
 

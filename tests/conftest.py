@@ -118,6 +118,59 @@ def regenerate_command(
     ]  # fmt: skip
 
 
+def train_command(pipeline, tmp: Path, cfg) -> list[str]:
+    """scripts/train.py on the pipeline's shards and vocab map with ``cfg``, writing into
+    ``tmp`` (state/, checkpoint/, summary.json), one process and one thread."""
+    import dataclasses
+
+    from eagle3lib import vocab
+    from eagle3lib.fileio import write_json
+
+    write_json(tmp / "verifier.json", pipeline["record"])
+    if not (tmp / "vocab.safetensors").exists():
+        vocab.save(
+            tmp / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
+        )
+    out = tmp / "checkpoint"
+    return [
+        sys.executable, str(ROOT / "scripts" / "train.py"),
+        "--verifier", str(tmp / "verifier.json"),
+        "--shards", *map(str, pipeline["shards"]),
+        "--manifests", *map(str, pipeline["manifests"]),
+        "--vocab-map", str(tmp / "vocab.safetensors"),
+        "--train", json.dumps(dataclasses.asdict(cfg)),
+        "--state-dir", str(tmp / "state"),
+        "--threads", "1",
+        "--out-config", str(out / "config.json"),
+        "--out-weights", str(out / "model.safetensors"),
+        "--out-card", str(out / "README.md"),
+        "--out-summary", str(tmp / "summary.json"),
+    ]  # fmt: skip
+
+
+def run_training(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{what}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def two_process_training(pipeline, tmp_path_factory) -> dict:
+    """scripts/train.py on one node with two processes (torchrun --standalone, gloo), two
+    epochs: also the reference of the runs over two "nodes" of one process each (the same
+    global batch). Its folder, config, exported weights' bytes and optimiser steps."""
+
+    cfg = pipeline["train_cfg"]  # 2 epochs of 9 steps
+    work = tmp_path_factory.mktemp("two_processes")
+    run_training([*train_command(pipeline, work, cfg), "--processes", "2"], "one node, 2")
+    state = json.loads((work / "state" / "1" / "training_state.json").read_text())
+    return {
+        "dir": work,
+        "cfg": cfg,
+        "weights": (work / "checkpoint" / "model.safetensors").read_bytes(),
+        "steps": state["global_step"],
+    }
+
+
 def job_counts(output: str) -> dict[str, int]:
     """Snakemake's 'Job stats' table as {rule: count} (empty when nothing was to be done)."""
     counts: dict[str, int] = {}

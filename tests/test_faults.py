@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import tiny
-from conftest import ROOT, alive, executed_jobs, regenerate_command, run_snakemake, wait_until
+from conftest import (
+    ROOT,
+    alive,
+    executed_jobs,
+    regenerate_command,
+    run_snakemake,
+    train_command,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -341,34 +349,6 @@ def test_killing_snakemakes_process_group_leaves_no_job_running(tmp_path, verifi
 
 
 # ---- training: the train job killed mid-epoch --------------------------------------------------
-
-
-def train_command(pipeline, tmp: Path, cfg) -> list[str]:
-    import dataclasses
-
-    from eagle3lib import vocab
-    from eagle3lib.fileio import write_json
-
-    write_json(tmp / "verifier.json", pipeline["record"])
-    if not (tmp / "vocab.safetensors").exists():
-        vocab.save(
-            tmp / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
-        )
-    out = tmp / "checkpoint"
-    return [
-        sys.executable, str(ROOT / "scripts" / "train.py"),
-        "--verifier", str(tmp / "verifier.json"),
-        "--shards", *map(str, pipeline["shards"]),
-        "--manifests", *map(str, pipeline["manifests"]),
-        "--vocab-map", str(tmp / "vocab.safetensors"),
-        "--train", json.dumps(dataclasses.asdict(cfg)),
-        "--state-dir", str(tmp / "state"),
-        "--threads", "1",
-        "--out-config", str(out / "config.json"),
-        "--out-weights", str(out / "model.safetensors"),
-        "--out-card", str(out / "README.md"),
-        "--out-summary", str(tmp / "summary.json"),
-    ]  # fmt: skip
 
 
 def step_counters(epoch_dir: Path) -> set[float]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import slurm_stub
 import tiny
 import yaml
 
@@ -159,30 +160,32 @@ def test_workstation_profile_dry_run_shows_gpu_resources_and_caps_them(workspace
     assert [job["gpu"] for job in job_resources(proc.stdout)["train"]] == ["2"]
 
 
-STUB = """#!{python}
-# Stand-in for the SLURM command {tool!r}: records its command line, answers like SLURM.
-import fcntl, json, os, sys
-from pathlib import Path
+def pretend_built(work: Path, config: Path, env: dict | None = None) -> None:
+    """Every output and benchmark file of the DAG, empty: jobs submitted to the stub sbatch
+    only pretend to run, and Snakemake checks that a finished job's files exist."""
+    dry = snakemake(work, config, "-n", "--cores", "1", env=env, timeout=60)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    files = re.findall(r"^\s+(?:output|benchmark): (.+)$", dry.stdout, re.MULTILINE)
+    assert files
+    for path in (p for line in files for p in line.split(", ")):
+        (work / path).parent.mkdir(parents=True, exist_ok=True)
+        (work / path).touch()
+        if re.search(r"hidden_states/shard-\d+\.json$", path):  # describes the empty shard,
+            (work / path).write_text('{"file": {"bytes": 0}}')  # else it would be rebuilt
+        if re.search(r"/provenance-[\w-]+\.json$", path):  # a record without a stamp (an
+            (work / path).write_text("{}")  # unreadable one marks its artifacts stale)
 
-state = Path(os.environ["SLURM_STUB_DIR"])
-with open(state / "lock", "a") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    with open(state / "calls.jsonl", "a") as calls:
-        calls.write(json.dumps({{"tool": {tool!r}, "argv": sys.argv[1:]}}) + "\\n")
-    ids = state / "job_ids"
-    if {tool!r} == "sbatch":  # --parsable: print the new job id
-        job_id = str(1000 + len(ids.read_text().split()) if ids.exists() else 1000)
-        ids.write_text((ids.read_text() if ids.exists() else "") + job_id + "\\n")
-        print(job_id)
-    elif {tool!r} in ("squeue", "sacct"):  # every job submitted so far has finished
-        for job_id in ids.read_text().split() if ids.exists() else []:
-            print(f"{{job_id}}|COMPLETED")
-    elif {tool!r} in ("sacctmgr", "sshare"):  # the user's accounts
-        print(os.environ["SLURM_STUB_ACCOUNT"])
-    elif {tool!r} == "scontrol":  # scontrol show config
-        print("MaxArraySize = 1001\\nMinJobAge = 300 sec")
-"""
-SLURM_TOOLS = ("sbatch", "sacctmgr", "scontrol", "sshare", "squeue", "sacct")
+
+def submit_to_stubs(
+    work: Path, config: Path, env: dict, *args: str, timeout: float = 150, **kwargs
+):
+    """snakemake --profile profiles/slurm with the stub SLURM commands of ``env``, polling
+    every second; ``args`` last (targets); ``kwargs`` go to ``snakemake``."""
+    return snakemake(
+        work, config, "--profile", str(SLURM), "--jobs", "4", "--latency-wait", "1",
+        "--seconds-between-status-checks", "1", "--slurm-init-seconds-before-status-checks",
+        "1", *args, env=env, timeout=timeout, **kwargs,
+    )  # fmt: skip
 
 
 def sbatch_jobs(calls: list[dict]) -> dict[str, list[list[str]]]:
@@ -203,10 +206,10 @@ def sbatch_jobs(calls: list[dict]) -> dict[str, list[list[str]]]:
 def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspace):
     """A real (not dry) run of the whole workflow with --profile profiles/slurm.
 
-    The stub scripts `sbatch`, `sacctmgr`, `scontrol`, `sshare`, `squeue` and `sacct`, first on
-    PATH, stand in for a SLURM cluster, which cannot run here: they record their command lines,
-    `sbatch` prints a job id without running anything, and `squeue`/`sacct` report every
-    submitted job COMPLETED. The outputs of all jobs are created empty beforehand and
+    The stub scripts of tests/slurm_stub.py (`sbatch`, `sacctmgr`, `scontrol`, `sshare`,
+    `squeue`, `sacct`), first on PATH, stand in for a SLURM cluster, which cannot run here:
+    they record their command lines, `sbatch` prints a job id without running anything, and
+    `squeue`/`sacct` report every submitted job COMPLETED. The outputs of all jobs are created empty beforehand and
     --forceall submits every job anyway, so the plugin walks the whole DAG, rule by rule, and
     every sbatch line it builds is recorded and checked.
     """
@@ -215,48 +218,12 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
     config = workspace()
     work = workspace.dir
 
-    stubs = work / "slurm-stubs"
-    stubs.mkdir()
-    for tool in SLURM_TOOLS:
-        (stubs / tool).write_text(STUB.format(python=sys.executable, tool=tool))
-        (stubs / tool).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PATH"] = os.pathsep.join([str(stubs), str(Path(sys.executable).parent), env["PATH"]])
-    env["SLURM_STUB_DIR"] = str(stubs)
-    env["SLURM_STUB_ACCOUNT"] = str(defaults["slurm_account"])
+    stubs = slurm_stub.install(work / "slurm-stubs")
+    env = slurm_stub.environment(stubs, defaults["slurm_account"])
 
-    # Every output and benchmark file of the DAG, empty: the "jobs" below only pretend to run,
-    # and Snakemake checks that a finished job's files exist.
-    dry = snakemake(work, config, "-n", "--cores", "1", timeout=60)
-    assert dry.returncode == 0, dry.stdout + dry.stderr
-    files = re.findall(r"^\s+(?:output|benchmark): (.+)$", dry.stdout, re.MULTILINE)
-    assert files
-    for path in (p for line in files for p in line.split(", ")):
-        (work / path).parent.mkdir(parents=True, exist_ok=True)
-        (work / path).touch()
-        if re.search(r"hidden_states/shard-\d+\.json$", path):  # describes the empty shard,
-            (work / path).write_text('{"file": {"bytes": 0}}')  # else it would be rebuilt
-        if re.search(r"/provenance-[\w-]+\.json$", path):  # a record without a stamp (an
-            (work / path).write_text("{}")  # unreadable one marks its artifacts stale)
-
-    proc = snakemake(
-        work,
-        config,
-        "--profile",
-        str(SLURM),
-        "--forceall",
-        "--jobs",
-        "4",
-        "--latency-wait",
-        "1",
-        "--seconds-between-status-checks",
-        "1",
-        "--slurm-init-seconds-before-status-checks",
-        "1",
-        env=env,
-        timeout=150,
-        workflow_profile=None,  # as a user runs it: profiles/default merged in
-    )
+    pretend_built(work, config)
+    # as a user runs it: profiles/default merged in
+    proc = submit_to_stubs(work, config, env, "--forceall", workflow_profile=None)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert re.search(rf"Using profiles {SLURM} and workflow specific profile \S*default ", out)
@@ -298,6 +265,7 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
                 assert not any(f.startswith("--cpus-per-gpu") for f in flags(argv)), argv
     (train,) = jobs["train"]
     assert f"--cpus-per-gpu={per_rule['train']['cpus_per_gpu']}" in train
+    assert "--nodes=1" in train  # DDP on one node: its GPUs never spread over several
     assert not any(a.startswith("--cpus-per-task") for a in train), train
     for rule in ("extract", "evaluate", *CPU_RULES):
         assert any(a.startswith("--cpus-per-task=") for a in jobs[rule][0]), jobs[rule]

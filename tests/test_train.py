@@ -214,63 +214,26 @@ def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_processes_train_and_export_once(pipeline, tmp_path, fsdp):
+def test_two_processes_train_and_export_once(pipeline, tmp_path, fsdp, request):
     """The train script relaunches itself under torchrun (gloo on CPU): 2 ranks, 1 export;
     the draft replicated (DDP) or sharded over the ranks (FSDP2, train.fsdp)."""
     import json
-    import subprocess
-    import sys
-    from dataclasses import asdict, replace
-    from pathlib import Path
+    from dataclasses import replace
 
-    from eagle3lib import checkpoint, vocab
-    from eagle3lib.fileio import write_json
+    from conftest import run_training, train_command
 
-    root = Path(__file__).resolve().parents[1]
-    write_json(tmp_path / "verifier.json", pipeline["record"])
-    vocab.save(
-        tmp_path / "vocab.safetensors", pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
-    )
-    cfg = asdict(replace(pipeline["train_cfg"], epochs=1, fsdp=fsdp))
-    out = tmp_path / "ckpt"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(root / "scripts" / "train.py"),
-            "--verifier",
-            str(tmp_path / "verifier.json"),
-            "--shards",
-            *map(str, pipeline["shards"]),
-            "--manifests",
-            *map(str, pipeline["manifests"]),
-            "--vocab-map",
-            str(tmp_path / "vocab.safetensors"),
-            "--train",
-            json.dumps(cfg),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--processes",
-            "2",
-            "--threads",
-            "2",
-            "--out-config",
-            str(out / "config.json"),
-            "--out-weights",
-            str(out / "model.safetensors"),
-            "--out-card",
-            str(out / "README.md"),
-            "--out-summary",
-            str(tmp_path / "summary.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    from eagle3lib import checkpoint
+
+    if fsdp:
+        cfg = replace(pipeline["train_cfg"], epochs=1, fsdp=True)
+        run_training([*train_command(pipeline, tmp_path, cfg), "--processes", "2"], "fsdp")
+        work = tmp_path
+    else:  # the session's run (also the reference of the runs over two "nodes")
+        work = request.getfixturevalue("two_process_training")["dir"]
+    summary = json.loads((work / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["rank"] == 0 and summary["fsdp"] is fsdp
     assert len(summary["curves"]["train_loss"]) >= 2
-    assert checkpoint.check(out, pipeline["record"], [2, 4, 5])["valid"] is True
+    assert checkpoint.check(work / "checkpoint", pipeline["record"], [2, 4, 5])["valid"] is True
 
 
 def test_swap_in_flushes_the_checkpoint_before_it_replaces_the_old_one(tmp_path, monkeypatch):

@@ -177,6 +177,17 @@ def test_second_run_does_nothing(ws):
     assert job_counts(out) == {}
 
 
+def test_changing_gpu_and_node_counts_reruns_nothing(ws, monkeypatch):
+    """train.gpus and train.nodes are resources: the train job's command keeps its text and
+    parameters. (train.nodes: 2 plans only under SLURM: here SLURM_JOB_ID is set, as inside
+    an allocation, and the run is a dry run.)"""
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    ws.write(train={"gpus": 1, "nodes": 2})
+    out = ws.run("-n")
+    ws.write(train={"gpus": 0, "nodes": 1})
+    assert "Nothing to be done" in out and job_counts(out) == {}, out
+
+
 ARTIFACTS = (
     "hidden_states/shard-0.safetensors",
     "hidden_states/shard-1.safetensors",

@@ -1,0 +1,423 @@
+"""One train job over several SLURM nodes (train.nodes, eagle3lib/multinode.py), without a
+cluster: stub SLURM commands (tests/slurm_stub.py) record the sbatch and srun lines, and the
+stub srun starts each "node" as a process of this machine, so the rest is real: the GPU
+wrapper per node, torchrun per node, a c10d rendezvous on 127.0.0.1, gloo between the ranks.
+
+Two "nodes" of one process each train with the global batch of one node with two processes
+(tests/conftest.py's two_process_training), so their checkpoints must be the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import slurm_stub
+from conftest import ROOT, alive, train_command, wait_until
+
+from eagle3lib import multinode, report
+from eagle3lib.errors import UserError
+from eagle3lib.multinode import ENDPOINT_VAR, RDZV_ID_VAR
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+# ---- planning and command lines ---------------------------------------------------------------
+
+
+def test_several_nodes_need_slurm():
+    no_sbatch, sbatch = (lambda _: None), (lambda _: "/usr/bin/sbatch")
+    refusal = multinode.nodes_refusal(2, "local", {}, no_sbatch)
+    assert refusal.startswith("config key train.nodes: 2 nodes need SLURM") and "\n" not in refusal
+    assert "train.nodes: 1" in refusal and "--profile profiles/slurm" in refusal
+    assert multinode.nodes_refusal(1, "local", {}, no_sbatch) is None
+    for executor in ("slurm", "slurm-jobstep"):
+        assert multinode.nodes_refusal(2, executor, {}, no_sbatch) is None
+    # inside an allocation srun reaches its nodes, whatever runs the jobs
+    assert multinode.nodes_refusal(2, "local", {"SLURM_JOB_ID": "7"}, no_sbatch) is None
+    # jobs run here: a login node's sbatch does not help them
+    assert multinode.nodes_refusal(2, "local", {}, sbatch) == refusal
+    # a dry run (or --touch) runs nothing: SLURM is there if sbatch is
+    for executor in ("dryrun", "touch"):
+        assert multinode.nodes_refusal(2, executor, {}, sbatch) is None
+        assert multinode.nodes_refusal(2, executor, {}, no_sbatch) == refusal
+
+
+def test_allocation_hosts_come_from_scontrol():
+    """The SLURM job-step executor drops SLURM_JOB_NODELIST from the job's environment (it
+    keeps the job id): then the node list is the job's, from `scontrol show job`."""
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        if argv[2] == "job":
+            return "JobId=7 JobName=t JobState=RUNNING NodeList=gpu[03-04] BatchHost=gpu03\n"
+        return "gpu03\ngpu04\n"
+
+    assert multinode.allocation_hosts({"SLURM_JOB_ID": "7"}, run) == ["gpu03", "gpu04"]
+    assert calls == [
+        ["scontrol", "show", "job", "-o", "7"],
+        ["scontrol", "show", "hostnames", "gpu[03-04]"],
+    ]
+    calls.clear()
+    assert multinode.allocation_hosts({"SLURM_JOB_NODELIST": "gpu[03-04]"}, run)[0] == "gpu03"
+    assert calls == [["scontrol", "show", "hostnames", "gpu[03-04]"]]
+    with pytest.raises(UserError, match="SLURM_JOB_ID is not set"):
+        multinode.allocation_hosts({}, run)
+
+
+def test_srun_and_torchrun_command_lines():
+    wrapper = ["python", "gpu_job.py", "--per-node"]
+    assert multinode.srun_argv(2, 8, 64, wrapper) == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "--label", "--cpus-per-task=64", "--gres=gpu:8", *wrapper,
+    ]  # fmt: skip
+    assert "--gres" not in " ".join(multinode.srun_argv(2, 0, None, wrapper))
+
+    env = {ENDPOINT_VAR: "gpu03:41000", RDZV_ID_VAR: "7-41000", "SLURM_NODEID": "1"}
+    script = ["train.py", "--nodes", "2"]
+    assert multinode.relaunch(2, 8, script, env) == (
+        False,  # node 1 leaves the artifact locks to node 0
+        [
+            *TORCHRUN, "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=gpu03:41000", "--rdzv-id=7-41000", "--max-restarts=0", *script,
+        ],
+    )  # fmt: skip
+    lock, argv = multinode.relaunch(2, 0, script, {**env, "SLURM_NODEID": "0"})
+    assert lock is True and "--nproc-per-node=1" in argv  # a CPU node: one process
+    # one node: torchrun --standalone for several processes, else the script trains itself
+    assert multinode.relaunch(1, 2, script, {}) == (
+        True,
+        [*TORCHRUN, "--standalone", "--nproc-per-node=2", *script],
+    )
+    assert multinode.relaunch(1, 1, script, {}) == (True, None)
+    assert multinode.relaunch(2, 8, script, {**env, "LOCAL_RANK": "0"}) == (False, None)
+    with pytest.raises(UserError, match="not started by the GPU wrapper's srun step"):
+        multinode.relaunch(2, 8, script, {"SLURM_NODEID": "0"})
+
+
+def test_several_nodes_without_slurm_stop_the_run_while_it_plans(verifier_dir, tmp_path):
+    """On a workstation (no SLURM, no sbatch on PATH) a dry run and a real run with
+    train.nodes: 2 both stop with one line naming the key, before any job runs."""
+    import tiny
+    from test_profiles import snakemake
+
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(4, seed=1))
+    evals = tiny.write_jsonl(tmp_path / "eval.jsonl", [{"question_id": 1, "turns": ["Hi"]}])
+    config = tiny.write_config(
+        tmp_path / "config.yaml", "t", verifier_dir, train, evals, train={"nodes": 2}
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    for args in (["-n"], ["--cores", "1"]):
+        proc = snakemake(tmp_path, config, *args, env=env, timeout=120)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and errors == [
+            "error: " + multinode.nodes_refusal(2, "local", {}, lambda _: None)
+        ], proc.stderr[-3000:]
+        assert not (tmp_path / "results").exists()
+
+
+def gpu_record(host: str, used: dict[int, tuple[float, float]], rule: str = "extract") -> dict:
+    """A GPU wrapper's record on ``host``: used MiB before and after per device index."""
+
+    def reading(i: int) -> dict:
+        return {
+            "available": True,
+            "devices": [
+                {"index": d, "name": "H200", "used_mib": mib[i], "pids": [9] if i else []}
+                for d, mib in used.items()
+            ],
+        }
+
+    return {
+        "rule": rule, "host": host, "gpus_requested": len(used),
+        "before": reading(0), "after": reading(1), "stray_processes": False,
+    }  # fmt: skip
+
+
+def test_gpu_memory_check_is_per_node(tmp_path):
+    """Shard jobs on two nodes both use their node's GPU 0; a train job spans both nodes. Each
+    record is compared with itself, on its host: the leak is named with its node."""
+    from eagle3lib.fileio import write_json
+
+    records = {
+        "extract-0": gpu_record("gpu03", {0: (100.0, 5000.0)}),
+        "extract-1": gpu_record("gpu04", {0: (4800.0, 4800.0)}),
+        "train": {
+            "rule": "train", "nodes": 2, "hosts": ["gpu03", "gpu04"], "gpus_requested": 2,
+            "per_node": [
+                gpu_record("gpu03", {0: (0.0, 0.0), 1: (0.0, 0.0)}, "train"),
+                gpu_record("gpu04", {0: (0.0, 0.0), 1: (10.0, 700.0)}, "train"),
+            ],
+            "stray_processes": False,
+        },
+    }  # fmt: skip
+    paths = {}
+    for job, record in records.items():
+        paths[job] = tmp_path / f"{job}.json"
+        write_json(paths[job], record)
+    table = report.gpu_memory_table(paths)
+    assert list(table) == ["extract-0", "extract-1", "train node 0", "train node 1"]
+    assert [table[j]["host"] for j in table] == ["gpu03", "gpu04", "gpu03", "gpu04"]
+    assert report.gpu_problems(table) == [
+        "extract-0 on gpu03: GPU 0: 4900 MiB left behind (pids [9])",
+        "train node 1 on gpu04: GPU 1: 690 MiB left behind (pids [9])",
+    ]
+
+
+# ---- two "nodes" on this machine ---------------------------------------------------------------
+
+JOB_ID = "4242"
+NODELIST = "127.0.0.1,localhost"  # the stub's allocation: its first host is the rendezvous
+
+
+def tiny_config(work: Path, verifier: Path, train: Path, evals: Path, cfg) -> Path:
+    """A workflow config with train.nodes: 2, train.gpus: 1 and ``cfg``'s training."""
+    import tiny
+
+    section = {
+        "epochs": cfg.epochs, "lr": cfg.lr, "seed": cfg.seed, "nodes": 2, "gpus": 1,
+        "checkpoint_freq": cfg.checkpoint_freq,
+    }  # fmt: skip
+    return tiny.write_config(work / "config.yaml", "t", verifier, train, evals, train=section)
+
+
+def two_node_job(pipeline, work: Path, cfg) -> tuple[list[str], dict[str, str]]:
+    """The train rule's command with train.nodes: 2 and train.gpus: 1, as it runs in the
+    batch step of a SLURM job (SLURM_JOB_ID set, stub SLURM commands first on PATH); the
+    GPUs are fake ids (no CUDA here: each "node" trains one process on the CPU)."""
+    stubs = slurm_stub.install(work / "stubs")
+    env = slurm_stub.environment(stubs, SLURM_JOB_ID=JOB_ID, STUB_SLURM_NODELIST=NODELIST)
+    cmd = [
+        sys.executable, str(ROOT / "scripts" / "gpu_job.py"),
+        "--gpus", "0", "--nodes", "2", "--node-gpus", "1", "--cpus-per-node", "1",
+        "--rule", "train", "--record", str(work / "gpu" / "train.json"),
+        "--lock-dir", str(work / "locks"), "--log", str(work / "train.log"),
+        "--echo", "train: step .*",
+        "--", *train_command(pipeline, work, cfg), "--gpus", "0", "--nodes", "2",
+        "--node-gpus", "1",
+    ]  # fmt: skip
+    return cmd, env
+
+
+def tree(pid: int) -> list[int]:
+    from test_faults import descendants
+
+    return [pid, *descendants(pid)]
+
+
+def cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    return []
+
+
+def node_of(pid: int) -> str | None:
+    with contextlib.suppress(OSError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"SLURM_NODEID="):
+                return item.split(b"=", 1)[1].decode()
+    return None
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def workers(root: int) -> dict[str, int]:
+    """The training processes below ``root`` (those a torchrun started) by node."""
+    found = {}
+    for pid in tree(root):
+        argv = cmdline(pid)
+        script = any(a.endswith("scripts/train.py") for a in argv[1:3])
+        if script and alive(pid) and "torch.distributed.run" in cmdline(parent_of(pid)):
+            found[node_of(pid)] = pid
+    return found
+
+
+def checkpoint_step(work: Path) -> int | None:
+    """The optimiser step of the newest complete checkpoint in train/state/, if any."""
+    states = list((work / "state").glob("[0-9]*/training_state.json"))
+    steps = []
+    for path in states:
+        with contextlib.suppress(OSError, ValueError):
+            steps.append(json.loads(path.read_text())["global_step"])
+    return max(steps) if steps else None
+
+
+def logged_steps(work: Path) -> list[int]:
+    metrics = work / "state" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["global_step"] for line in lines if '"train"' in line]
+
+
+def interrupt_after_checkpoint(cmd, env, work: Path, after: int, interrupt) -> None:
+    """Start the job; once a checkpoint past step ``after`` is saved, ``interrupt(pid)``; the
+    job must end (with a failure) and leave no process of its tree behind."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: (checkpoint_step(work) or -1) > after, 180), "no checkpoint"
+        processes = tree(proc.pid)
+        for pid in processes:  # frozen until the interruption is delivered (as SLURM: SIGCONT)
+            os.kill(pid, signal.SIGSTOP)
+        assert proc.poll() is None, "training finished before it could be interrupted"
+        interrupt(proc.pid)
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        proc.wait(timeout=120)
+        assert proc.returncode != 0
+        assert wait_until(lambda: not [p for p in processes if alive(p)], 30), [
+            cmdline(p) for p in processes if alive(p)
+        ]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_two_nodes_preempted_then_a_rank_killed_resume_to_one_nodes_bytes(
+    pipeline, two_process_training, tmp_path
+):
+    """Two "nodes" (2 x 1 process) against one node with 2 processes (the same global batch):
+    preempted mid-run (SIGTERM to every process of the job, as SLURM does before a requeue),
+    rerun (the requeued job), one rank then killed with SIGKILL (a node lost), rerun again.
+    Each rerun resumes from the last checkpoint, not from step 0, and the last one ends with
+    the one-node run's checkpoint bytes; each interruption leaves no process behind."""
+    cfg = replace(two_process_training["cfg"], checkpoint_freq=0.25)
+    cmd, env = two_node_job(pipeline, tmp_path, cfg)
+
+    def preempt(pid: int) -> None:
+        for victim in tree(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGTERM)
+
+    interrupt_after_checkpoint(cmd, env, tmp_path, 0, preempt)
+    first = checkpoint_step(tmp_path)
+    assert first is not None and logged_steps(tmp_path)[0] == 0
+
+    def kill_node_1_rank(pid: int) -> None:
+        ranks = workers(pid)
+        assert set(ranks) == {"0", "1"}, ranks
+        for rank in ranks.values():  # the per-node torchruns and their rendezvous
+            argv = cmdline(parent_of(rank))
+            assert argv[: len(TORCHRUN)] == TORCHRUN and "--nnodes=2" in argv, argv
+            assert "--rdzv-backend=c10d" in argv and "--nproc-per-node=1" in argv, argv
+            assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in argv), argv
+        os.kill(ranks["1"], signal.SIGKILL)
+
+    before = len(logged_steps(tmp_path))
+    interrupt_after_checkpoint(cmd, env, tmp_path, first, kill_node_1_rank)
+    assert logged_steps(tmp_path)[before] == first  # resumed from the preempted run's state
+    second = checkpoint_step(tmp_path)
+
+    before = len(logged_steps(tmp_path))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
+    assert logged_steps(tmp_path)[before] == second  # resumed again
+    weights = (tmp_path / "checkpoint" / "model.safetensors").read_bytes()
+    assert weights == two_process_training["weights"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["resumed"] is True
+    assert checkpoint_step(tmp_path) == two_process_training["steps"]
+    record = json.loads((tmp_path / "gpu" / "train.json").read_text())
+    assert record["nodes"] == 2 and len(record["per_node"]) == 2
+    assert record["rendezvous"].startswith("127.0.0.1:")
+    assert [r["devices"] for r in record["per_node"]] == [[0], [1]]  # each node its own lease
+    assert not list((tmp_path / "gpu").glob("train.node*.json"))
+    (srun,) = {tuple(c) for c in slurm_stub.calls(tmp_path / "stubs", "srun")}
+    assert list(srun[:7]) == [
+        "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
+        "--cpus-per-task=1", "--gres=gpu:1",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_node_job_through_the_slurm_executor_trains_one_nodes_bytes(
+    pipeline, two_process_training, verifier_dir, tmp_path
+):
+    """The whole chain on this machine: `snakemake --profile profiles/slurm` submits the jobs
+    of a config with train.nodes: 2 and train.gpus: 1 to the stub sbatch, which runs only the
+    train job's script (--wrap: the job's own snakemake, with the SLURM job-step executor), as
+    SLURM runs a batch script; the rule's command starts srun with one task per "node"
+    (stub), and on each the GPU wrapper and a torchrun (c10d on 127.0.0.1, gloo). The exact
+    sbatch and srun lines are checked, and the checkpoint's bytes equal those of one node with
+    two processes (the same global batch)."""
+    from test_profiles import pretend_built, sbatch_jobs, submit_to_stubs
+
+    from eagle3lib import vocab
+    from eagle3lib.config import TrainConfig, from_json
+    from eagle3lib.fileio import write_json
+
+    work = tmp_path
+    reference = two_process_training["cfg"]
+    evals = work / "eval.jsonl"
+    evals.write_text(json.dumps({"question_id": 1, "turns": ["Tell me about the model"]}) + "\n")
+    config = tiny_config(work, verifier_dir, pipeline["dir"] / "train.jsonl", evals, reference)
+    stubs = slurm_stub.install(work / "stubs")
+    env = slurm_stub.environment(
+        stubs, "your_account", STUB_SLURM_NODELIST=NODELIST, STUB_SLURM_RUN="train"
+    )
+    pretend_built(work, config, env)  # a dry run: with sbatch on PATH, SLURM is there
+    # the train job's inputs, real: the session's verifier record, shards and vocab map
+    results = work / "results" / "t"
+    write_json(results / "verifier" / "verifier.json", pipeline["record"])
+    for i in range(2):
+        shutil.copy(pipeline["shards"][i], results / "hidden_states" / f"shard-{i}.safetensors")
+        shutil.copy(pipeline["manifests"][i], results / "hidden_states" / f"shard-{i}.json")
+    d2t, t2d = pipeline["vocab_map"]["d2t"], pipeline["vocab_map"]["t2d"]
+    vocab.save(results / "vocab" / "vocab_map.safetensors", d2t, t2d)
+
+    target = "results/t/checkpoint/model.safetensors"
+    proc = submit_to_stubs(work, config, env, "--forcerun=train", target, timeout=400)
+    log = (results / "logs" / "train.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + log[-3000:]
+    submitted = [json.loads(line) for line in (stubs / "calls.jsonl").read_text().splitlines()]
+    (train,) = sbatch_jobs(submitted)["train"]
+    flags = train[train.index("-A") : train.index("-D")] + train[train.index("-D") + 2 :]
+    assert flags == [
+        "-A", "your_account", "-p", "gpu", "-t", "1440", "--mem", "128000",
+        "--nodes=2", "--ntasks=2", "--cpus-per-gpu=8", "--gres=gpu:1",
+    ]  # fmt: skip
+    sbatch = [c["argv"] for c in submitted if c["tool"] == "sbatch"]
+    job_id = str(1000 + [("rule_train" in argv) for argv in sbatch].index(True))
+    # the job-step executor drops SLURM_JOB_NODELIST: the rule asks scontrol for the job's
+    asked = [c for c in slurm_stub.calls(stubs, "scontrol") if c != ["show", "config"]]
+    assert asked == [
+        ["show", "job", "-o", job_id],
+        ["show", "hostnames", NODELIST],
+    ]
+    (srun,) = slurm_stub.calls(stubs, "srun")
+    split = srun.index("--")
+    assert srun[:split] == [
+        "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
+        "--cpus-per-task=2", "--gres=gpu:1",  # the job's threads, capped to this machine's 2
+        sys.executable, str(ROOT / "scripts" / "gpu_job.py"), "--gpus", "1", "--rule", "train",
+        "--record", "results/t/gpu/train.json", "--per-node", "--lock-dir",
+        ".snakemake/gpu_locks",
+    ]  # fmt: skip
+    command = srun[split + 1 :]
+    assert command[1].endswith("scripts/train.py")
+    at = command.index("--gpus")
+    assert command[at : at + 6] == ["--gpus", "0", "--nodes", "2", "--node-gpus", "1"]
+    assert from_json(TrainConfig, command[command.index("--train") + 1]) == reference
+    # srun's output, labelled with the task; rank 0 (which prints) is on either "node":
+    # c10d numbers the nodes as they arrive
+    assert re.search(r"\n[01]: train: step 1/18 ", log), log
+    weights = (results / "checkpoint" / "model.safetensors").read_bytes()
+    assert weights == two_process_training["weights"]
+    summary = json.loads((results / "train" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["resumed"] is False
+    record = json.loads((results / "gpu" / "train.json").read_text())
+    assert record["hosts"] == ["127.0.0.1", "localhost"] and len(record["per_node"]) == 2
