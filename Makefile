@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 CORES ?= all
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test; each takes whole test files (--dist loadfile), so a
+# file's module fixtures (a built workspace) are built once
+TEST_WORKERS ?= 2
 # e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for torch's CPU build on a machine
 # without a GPU (PyPI's torch wheel for Linux is the CUDA build).
 TORCH_INDEX ?=
@@ -52,10 +55,10 @@ demo: $(STAMP) $(VLLM_STAMP)
 
 # --durations: the slowest tests and their times, after the results
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/snakemake --lint

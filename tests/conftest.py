@@ -20,6 +20,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# Files of whole-workflow runs (minutes each) go first, so that with several pytest-xdist
+# workers (make test: --dist loadfile) the longest files do not start last.
+LONGEST_FIRST = ("test_presets.py", "test_workflow.py", "test_faults.py", "test_vllm.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+
+
 @pytest.fixture(scope="session")
 def verifier_dir(tmp_path_factory) -> Path:
     """Tiny random Llama verifier (8 layers, hidden 64) with a ChatML tokenizer."""
