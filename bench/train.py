@@ -9,7 +9,7 @@ steps, packed sequences of 2048) on the same synthetic hidden-state shards (leng
 256-2048) with the same seed; speculators' data path (sampler, CollateFn, shift_batch) and
 model are used by both. Variants (``VARIANTS``):
 
-    ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps,
+    ours                  eagle3lib.streaming_trainer.StreamingTrainer, AdamW, metrics every 100 steps,
                           batches built by 4 threads (train.loader_threads)
     ours_muon             the workflow's default recipe: Muon, log every 10 steps
     ours_ffd              ours with train.packing: ffd (fuller batches)
@@ -414,7 +414,7 @@ def run_variant(
 ) -> dict:
     from speculators.train import trainer as st
 
-    from eagle3lib import train
+    from eagle3lib import streaming_trainer, train
 
     v = variant(name)
     cfg = TrainConfig(
@@ -458,7 +458,7 @@ def run_variant(
     if v.trainer == "ours":
         base = type(
             "BenchStreamingTrainer",
-            (train.StreamingTrainer,),
+            (streaming_trainer.StreamingTrainer,),
             {"sync_free": not v.syncs, "ddp_broadcast_buffers": v.broadcast_buffers},
         )
     else:
@@ -768,10 +768,10 @@ def main() -> None:
     same = None
     if args.same_training:
         same = same_training(args, record, data, vocab_map, out)
-    from eagle3lib import train
+    from eagle3lib import distributed
 
     rank = int(os.environ.get("RANK", "0"))
-    train.teardown_distributed()
+    distributed.teardown_distributed()
     if rank != 0:
         return
     tag = device_tag()
