@@ -145,7 +145,7 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
 
 def row_order(shard_paths: list[Path], val_fraction: float):
     """The (shard, sample) pairs in our trainer's order: training pairs, then validation."""
-    from eagle3lib.hidden_states import open_shard
+    from eagle3lib.shards import open_shard
     from eagle3lib.train_data import split_indices
 
     shards = [open_shard(p) for p in shard_paths]

@@ -184,12 +184,13 @@ def make_shards(
 ):
     """Synthetic shards in the project's format (random bf16 states, written by ShardWriter;
     the same states, quantized, for fp8 storage)."""
-    from eagle3lib import hidden_states
+    from eagle3lib import config, shard_writer
     from eagle3lib.fileio import sha256_file, write_json
+    from eagle3lib.shards import STORAGE_DTYPES, ShardLayout
     from eagle3lib.verifier import identity
 
     layers = record["num_hidden_layers"]
-    aux = hidden_states.resolve_aux_layers(None, layers)
+    aux = config.resolve_aux_layers(None, layers)
     h = record["hidden_size"]
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(seed)
@@ -199,8 +200,8 @@ def make_shards(
         part = lengths[s::n_shards]
         path, mpath = out / f"shard-{s}.safetensors", out / f"shard-{s}.json"
         if not mpath.exists():
-            layout = hidden_states.ShardLayout(tuple(part), len(aux) + 1, h, storage=storage)
-            writer = hidden_states.ShardWriter(
+            layout = ShardLayout(tuple(part), len(aux) + 1, h, storage=storage)
+            writer = shard_writer.ShardWriter(
                 path, layout, {}, device=device, max_batch_rows=max(part)
             )
             ids = [rng.integers(0, record["vocab_size"], n) for n in part]
@@ -216,7 +217,7 @@ def make_shards(
                     "verifier": identity(record),
                     "layer_ids": [*aux, layers],
                     "hidden_size": h,
-                    "state_dtype": hidden_states.STORAGE_DTYPES[storage],
+                    "state_dtype": STORAGE_DTYPES[storage],
                     "tokens": sum(part),
                     "rejected": [],
                     "file": {

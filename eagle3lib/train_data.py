@@ -16,7 +16,7 @@ from speculators.train.data import BaseDataset
 from eagle3lib.distributed import distributed_rank
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json
-from eagle3lib.hidden_states import Shard, check_manifest, check_shard, open_shard
+from eagle3lib.shards import Shard, check_manifest, check_shard, dequantize_fp8, open_shard
 
 # Shards whose sha256 this process already checked, keyed by (path, size, mtime, sha256).
 _VERIFIED: set[tuple] = set()
@@ -203,7 +203,6 @@ def fp8_inputs(dtype: torch.dtype):
     """A forward pre-hook for the draft: the fp8 keys of a batch (on the device by now) become
     speculators' hidden_states [1, T, aux*H] and verifier_last_hidden_states [1, T, H] in
     ``dtype``. Batches without them pass unchanged. Works under any trainer, DDP or FSDP."""
-    from eagle3lib.hidden_states import dequantize_fp8
 
     def hook(_module, args, kwargs):
         if "fp8_aux" not in kwargs:

@@ -4,7 +4,7 @@ import torch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
 from eagle3lib import batches, train_data
-from eagle3lib.hidden_states import open_shard
+from eagle3lib.shards import open_shard
 
 
 def loader_over(paths, dtype, storage, max_len, packing="multipack"):

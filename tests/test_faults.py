@@ -187,7 +187,7 @@ def shard_files(results: Path) -> dict[str, bytes]:
 
 
 def assert_shards_as_uninterrupted(results: Path, reference: dict[str, bytes]) -> None:
-    from eagle3lib.hidden_states import check_shard
+    from eagle3lib.shards import check_shard
 
     built = shard_files(results)
     assert built.keys() == reference.keys()

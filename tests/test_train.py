@@ -7,7 +7,7 @@ from conftest import train_pipeline
 
 from eagle3lib import batches, speculators_compat, streaming_trainer, train, train_data
 from eagle3lib.errors import UserError
-from eagle3lib.hidden_states import open_shard
+from eagle3lib.shards import open_shard
 
 
 def test_training_runs_and_records_loss_curves(pipeline):
@@ -346,7 +346,7 @@ def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_
 def test_fp8_batches_reach_the_draft_as_the_bf16_batches_quantized(pipeline, fp8_shards):
     """Same packing, same tokens; on the way into the draft's forward the fp8 bytes and scales
     become exactly the dequantized bf16 states (speculators' shift applied to both)."""
-    from eagle3lib.hidden_states import dequantize_fp8, quantize_fp8
+    from eagle3lib.shards import dequantize_fp8, quantize_fp8
 
     shards = [open_shard(p) for p in pipeline["shards"]]
     pairs, _ = train_data.split_indices(shards, 0.1)
