@@ -301,6 +301,20 @@ def _manifest(
     }
 
 
+def _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, phases) -> dict:
+    """Load the verifier in ``dtype`` and write the shard from its forward passes."""
+    from eagle3lib.verifier import device_map_for_job, load_model
+
+    # several leased GPUs: the layers are spread over them (a verifier bigger than one)
+    t0 = time.perf_counter()
+    model = load_model(record, dtype, device_map=device_map_for_job())
+    load_seconds = time.perf_counter() - t0
+    phases.mark("verifier loaded")
+    stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
+    stats["model_load_seconds"] = load_seconds
+    return stats
+
+
 def _shard_samples(samples, shard: int, cfg) -> tuple[int, int]:
     """The sample range of shard ``shard``; an empty one is a config error."""
     from eagle3lib.data import shard_range
@@ -330,7 +344,6 @@ def extract_shard(
     ``extract.backend`` hf runs the HF forward here; vllm asks a vLLM server started with
     ``vllm_python`` (and the config's ``vllm`` section as ``engine``)."""
     from eagle3lib.fileio import remove_stale_temps, write_json
-    from eagle3lib.verifier import device_map_for_job, load_model
 
     phases = Phases()
     phases.mark("started")
@@ -359,13 +372,7 @@ def extract_shard(
             ids, masks, record, layer_ids, dtype, cfg, shard_path, metadata, engine, vllm_python
         )
     else:
-        # several leased GPUs: the layers are spread over them (a verifier bigger than one)
-        t0 = time.perf_counter()
-        model = load_model(record, dtype, device_map=device_map_for_job())
-        load_seconds = time.perf_counter() - t0
-        phases.mark("verifier loaded")
-        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
-        stats["model_load_seconds"] = load_seconds
+        stats = _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, phases)
     phases.mark("shard written")
     manifest = _manifest(
         shard, cfg, (start, stop), sample_ids, lengths, stats, spec, digest, shard_path

@@ -216,7 +216,8 @@ _METRICS = "speculators.models.eagle3.metrics"
 _DIST = "speculators.train.distributed"
 _CPU_WHY = (
     "no accelerator: speculators' Trainer runs on 'cpu' (tests, CPU-only machines); the GPU "
-    "path is untouched (the patch is not applied when an accelerator is present)"
+    "path is untouched (the patch is not applied when an accelerator is present). Set for the "
+    "training run; the batch-building threads running meanwhile never call these"
 )
 _SYNC_WHY = (
     "8 host syncs a step in speculators' loss metrics (masked_select, torch.tensor of Python "

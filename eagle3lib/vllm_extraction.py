@@ -37,6 +37,32 @@ def vllm_extraction_args(layer_ids: Sequence[int], storage: Path, cuda: bool) ->
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(connector)]
 
 
+def fetch_states(server, sample: np.ndarray, i: int, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Sample ``i``'s states [len, layers, hidden] from the server: one completion request,
+    then the file its connector wrote (read under its lock, then removed)."""
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    out = server.completion(sample.tolist(), max_tokens=1)
+    path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+    if not path:
+        raise UserError(
+            "vLLM returned no hidden_states_path: is the extraction connector configured?"
+        )
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is written
+        data = load_file(path)
+    for leftover in (path, path + ".lock"):
+        Path(leftover).unlink(missing_ok=True)
+    if data["token_ids"].tolist() != sample.tolist():
+        raise UserError(f"vLLM hidden states of sample {i} belong to other tokens")
+    states = data["hidden_states"]
+    if tuple(states.shape) != shape:
+        raise UserError(f"vLLM returned states of shape {tuple(states.shape)} for sample {i}")
+    return states
+
+
 def extract_samples_vllm(
     server,
     samples: Sequence[np.ndarray],
@@ -50,9 +76,6 @@ def extract_samples_vllm(
     """Hidden states from a vLLM server (extract_hidden_states + the KV connector), one
     request per sample, ``cfg.concurrency`` in flight, written into one shard in place."""
     import concurrent.futures
-    import fcntl
-
-    from safetensors.torch import load_file
 
     lengths = tuple(len(s) for s in samples)
     order = sorted(range(len(samples)), key=lambda i: -lengths[i])  # longest first
@@ -60,25 +83,7 @@ def extract_samples_vllm(
     writer = ShardWriter(shard_path, layout, metadata)
 
     def fetch(i: int) -> torch.Tensor:
-        out = server.completion(samples[i].tolist(), max_tokens=1)
-        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise UserError(
-                "vLLM returned no hidden_states_path: is the extraction connector configured?"
-            )
-        with open(path + ".lock") as lock:
-            fcntl.flock(
-                lock, fcntl.LOCK_SH
-            )  # the connector holds LOCK_EX until the file is written
-            data = load_file(path)
-        for leftover in (path, path + ".lock"):
-            Path(leftover).unlink(missing_ok=True)
-        if data["token_ids"].tolist() != samples[i].tolist():
-            raise UserError(f"vLLM hidden states of sample {i} belong to other tokens")
-        states = data["hidden_states"]
-        if tuple(states.shape) != (lengths[i], n_layers, layout_hidden):
-            raise UserError(f"vLLM returned states of shape {tuple(states.shape)} for sample {i}")
-        return states
+        return fetch_states(server, samples[i], i, (lengths[i], n_layers, layout_hidden))
 
     t0 = time.perf_counter()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency)
