@@ -426,7 +426,7 @@ def test_step_counter_is_exact_above_256(tmp_path):
         ours = SingleGPUCheckpointer(tmp_path / "ours")
         with speculators_compat.speculators_patches("fp32_state", checkpointer=ours):
             ours.save_checkpoint(model, opt, 0)
-    assert step_counters(tmp_path / "stock" / "0") == {256.0}  # the landmine, still there
+    assert step_counters(tmp_path / "stock" / "0") == {256.0}  # speculators as installed
     assert step_counters(tmp_path / "ours" / "0") == {257.0}
 
 
