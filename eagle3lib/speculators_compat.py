@@ -342,18 +342,18 @@ def speculators_patches(*names: str, **context: Any) -> Iterator[None]:
             owner, attr = resolve(patch.target)
             if patch.on is not None:
                 owner = context[patch.on]
-            had = attr in vars(owner)
-            original = vars(owner)[attr] if had else getattr(owner, attr)
-            setattr(owner, attr, patch.make(getattr(owner, attr), context))
-            undo.append(
-                functools.partial(setattr, owner, attr, original)
-                if had
+            own = vars(owner)  # an attribute found on the class is not the owner's to restore
+            restore = (
+                functools.partial(setattr, owner, attr, own[attr])
+                if attr in own
                 else functools.partial(delattr, owner, attr)
             )
+            setattr(owner, attr, patch.make(getattr(owner, attr), context))
+            undo.append(restore)
         yield
     finally:
-        for restore in reversed(undo):
-            restore()
+        for undo_one in reversed(undo):
+            undo_one()
 
 
 @contextlib.contextmanager
