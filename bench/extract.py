@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3lib import hidden_states  # noqa: E402
+from eagle3lib import config, hidden_states, shards  # noqa: E402
 from eagle3lib.config import ExtractConfig  # noqa: E402
 from eagle3lib.fileio import sha256_file  # noqa: E402
 
@@ -157,7 +157,7 @@ def one_job(args) -> dict:
     roofline_all = rate * 1e12 / (2 * n_params)
 
     layers = shape["num_hidden_layers"]
-    aux = hidden_states.resolve_aux_layers(None, layers)
+    aux = config.resolve_aux_layers(None, layers)
     lengths = draw_lengths(args.tokens, args.seed, args.max_len)
     rng = np.random.default_rng(args.seed + 1)
     samples = [rng.integers(0, shape["vocab_size"], n).astype(np.int64) for n in lengths]
@@ -244,7 +244,7 @@ def one_job(args) -> dict:
         "bytes_per_token": round(size / sum(lengths), 2),
         "storage": args.storage,
         "bytes_per_token_bound": 1.01
-        * hidden_states.ShardLayout(
+        * shards.ShardLayout(
             (1,), len(aux) + 1, shape["hidden_size"], storage=args.storage
         ).bytes_per_token,
         "check_vs_single_forward": check,

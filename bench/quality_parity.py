@@ -23,8 +23,8 @@ For a finished workflow run (``results/<run>``) and its config this
    the workflow's train rule runs it (and exports the checkpoint);
 3. trains (b) with speculators' real CLI entry, ``speculators.train.cli.main(
    TrainConfig.resolve(argv))``, with the same hyper-parameters, plus what a CPU needs
-   (``eagle3lib.train.cpu_trainer_patches()``, and the attention, loss and dtype our stage
-   resolves on this machine: sdpa, eager, float32 on a CPU, where the CLI's default bfloat16
+   (``eagle3lib.speculators_compat.cpu_trainer_patches()``, and the attention, loss and
+   dtype our stage resolves on this machine: sdpa, eager, float32 on a CPU, where the CLI's default bfloat16
    would run without autocast; no loader workers; ``--on-missing raise``); everything else is
    the CLI's default. Its final epoch is exported with ``eagle3lib.checkpoint.export``;
 4. evaluates both checkpoints with ``eagle3lib.evaluate.evaluate`` on the held-out prompts and
@@ -145,8 +145,8 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
 
 def row_order(shard_paths: list[Path], val_fraction: float):
     """The (shard, sample) pairs in our trainer's order: training pairs, then validation."""
-    from eagle3lib.hidden_states import open_shard
-    from eagle3lib.train import split_indices
+    from eagle3lib.shards import open_shard
+    from eagle3lib.train_data import split_indices
 
     shards = [open_shard(p) for p in shard_paths]
     train_pairs, val_pairs = split_indices(shards, val_fraction)
@@ -272,7 +272,8 @@ def verify(run: dict, data_dir: Path, train_pairs, val_pairs, ratio: float) -> N
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     from eagle3lib.config import TrainConfig, from_dict
-    from eagle3lib.train import ShardDataset, resolve_runtime
+    from eagle3lib.train import resolve_runtime
+    from eagle3lib.train_data import ShardDataset
 
     cfg = from_dict(TrainConfig, run["train"])
     dtype = resolve_runtime(cfg)["dtype"]
@@ -480,13 +481,8 @@ def cli_child(spec_path: str) -> None:
     from speculators.train.config import TrainConfig
 
     from eagle3lib import checkpoint
-    from eagle3lib.train import (
-        MetricsRecorder,
-        cpu_trainer_patches,
-        last_epoch_dir,
-        loss_curves,
-        read_metrics,
-    )
+    from eagle3lib.speculators_compat import cpu_trainer_patches
+    from eagle3lib.train import MetricsRecorder, last_epoch_dir, loss_curves, read_metrics
 
     # Record the metrics speculators logs, as our stage does. Its logging set-up (dictConfig)
     # closes every handler that exists then, so the recorder is made after it.

@@ -9,7 +9,7 @@ steps, packed sequences of 2048) on the same synthetic hidden-state shards (leng
 256-2048) with the same seed; speculators' data path (sampler, CollateFn, shift_batch) and
 model are used by both. Variants (``VARIANTS``):
 
-    ours                  eagle3lib.train.StreamingTrainer, AdamW, metrics every 100 steps,
+    ours                  eagle3lib.streaming_trainer.StreamingTrainer, AdamW, metrics every 100 steps,
                           batches built by 4 threads (train.loader_threads)
     ours_muon             the workflow's default recipe: Muon, log every 10 steps
     ours_ffd              ours with train.packing: ffd (fuller batches)
@@ -184,12 +184,13 @@ def make_shards(
 ):
     """Synthetic shards in the project's format (random bf16 states, written by ShardWriter;
     the same states, quantized, for fp8 storage)."""
-    from eagle3lib import hidden_states
+    from eagle3lib import config, shard_writer
     from eagle3lib.fileio import sha256_file, write_json
+    from eagle3lib.shards import STORAGE_DTYPES, ShardLayout
     from eagle3lib.verifier import identity
 
     layers = record["num_hidden_layers"]
-    aux = hidden_states.resolve_aux_layers(None, layers)
+    aux = config.resolve_aux_layers(None, layers)
     h = record["hidden_size"]
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(seed)
@@ -199,8 +200,8 @@ def make_shards(
         part = lengths[s::n_shards]
         path, mpath = out / f"shard-{s}.safetensors", out / f"shard-{s}.json"
         if not mpath.exists():
-            layout = hidden_states.ShardLayout(tuple(part), len(aux) + 1, h, storage=storage)
-            writer = hidden_states.ShardWriter(
+            layout = ShardLayout(tuple(part), len(aux) + 1, h, storage=storage)
+            writer = shard_writer.ShardWriter(
                 path, layout, {}, device=device, max_batch_rows=max(part)
             )
             ids = [rng.integers(0, record["vocab_size"], n) for n in part]
@@ -216,7 +217,7 @@ def make_shards(
                     "verifier": identity(record),
                     "layer_ids": [*aux, layers],
                     "hidden_size": h,
-                    "state_dtype": hidden_states.STORAGE_DTYPES[storage],
+                    "state_dtype": STORAGE_DTYPES[storage],
                     "tokens": sum(part),
                     "rejected": [],
                     "file": {
@@ -414,7 +415,7 @@ def run_variant(
 ) -> dict:
     from speculators.train import trainer as st
 
-    from eagle3lib import train
+    from eagle3lib import streaming_trainer, train
 
     v = variant(name)
     cfg = TrainConfig(
@@ -458,7 +459,7 @@ def run_variant(
     if v.trainer == "ours":
         base = type(
             "BenchStreamingTrainer",
-            (train.StreamingTrainer,),
+            (streaming_trainer.StreamingTrainer,),
             {"sync_free": not v.syncs, "ddp_broadcast_buffers": v.broadcast_buffers},
         )
     else:
@@ -768,10 +769,10 @@ def main() -> None:
     same = None
     if args.same_training:
         same = same_training(args, record, data, vocab_map, out)
-    from eagle3lib import train
+    from eagle3lib import distributed
 
     rank = int(os.environ.get("RANK", "0"))
-    train.teardown_distributed()
+    distributed.teardown_distributed()
     if rank != 0:
         return
     tag = device_tag()

@@ -278,7 +278,7 @@ def shard_collator(dataset, collate_fn, pin: bool) -> ShardCollator | None:
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    from eagle3lib.train import ShardDataset, shift_fp8_batch
+    from eagle3lib.train_data import ShardDataset, shift_fp8_batch
 
     if not (isinstance(dataset, ShardDataset) and type(collate_fn) is CollateFn):
         return None

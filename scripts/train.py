@@ -55,7 +55,7 @@ def main() -> None:
 
     import torch
 
-    from eagle3lib import checkpoint, train, vocab
+    from eagle3lib import checkpoint, distributed, train, vocab
 
     if a.threads:
         torch.set_num_threads(max(1, a.threads // max(processes, 1)))
@@ -68,7 +68,7 @@ def main() -> None:
             cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
         )
     finally:
-        train.teardown_distributed()
+        distributed.teardown_distributed()
     if stats["rank"] != 0:
         return
     out_dir = a.out_config.parent

@@ -33,7 +33,7 @@ import tiny
 import torch
 import yaml
 
-from eagle3lib import data, hidden_states, precision, vocab
+from eagle3lib import data, precision, shard_writer, shards, vocab
 from eagle3lib.config import PrepareConfig, config_errors, resolve_data_path
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import sha256_file, write_json
@@ -197,10 +197,10 @@ class Env:
         samples, n_layers, hidden = self.w.loaded, len(AUX) + 1, self.w.record["hidden_size"]
         lengths = tuple(int(n) for n in np.diff(samples.offsets))
         shard_path, manifest_path = self.inp / "shard-0.safetensors", self.inp / "shard-0.json"
-        writer = hidden_states.ShardWriter(
+        writer = shard_writer.ShardWriter(
             shard_path,
-            hidden_states.ShardLayout(lengths, n_layers, hidden),
-            {"format": hidden_states.SHARD_FORMAT},
+            shards.ShardLayout(lengths, n_layers, hidden),
+            {"format": shards.SHARD_FORMAT},
         )
         gen = torch.Generator().manual_seed(0)
         for i, n in enumerate(lengths):
@@ -209,10 +209,10 @@ class Env:
         writer.close(samples.input_ids, samples.loss_mask)
         rejected = [
             {"id": self.w.ids[i], "reason": "non-finite hidden states"}
-            for i in np.flatnonzero(hidden_states.open_shard(shard_path).valid == 0).tolist()
+            for i in np.flatnonzero(shards.open_shard(shard_path).valid == 0).tolist()
         ]
         manifest = {
-            "format": hidden_states.SHARD_FORMAT,
+            "format": shards.SHARD_FORMAT,
             "shard": 0,
             "shards": 1,
             "sample_range": [0, len(lengths)],

@@ -3,15 +3,15 @@ import pytest
 import torch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-from eagle3lib import batches, train
-from eagle3lib.hidden_states import open_shard
+from eagle3lib import batches, train_data
+from eagle3lib.shards import open_shard
 
 
 def loader_over(paths, dtype, storage, max_len, packing="multipack"):
     shards = [open_shard(p) for p in paths]
-    pairs, _ = train.split_indices(shards, 0.1)
-    ds = train.ShardDataset(paths, pairs, max_len, dtype, storage)
-    return train.make_loader(ds, max_len, 64, 3, seed=0, packing=packing)
+    pairs, _ = train_data.split_indices(shards, 0.1)
+    ds = train_data.ShardDataset(paths, pairs, max_len, dtype, storage)
+    return train_data.make_loader(ds, max_len, 64, 3, seed=0, packing=packing)
 
 
 def assert_same_batch(ours: dict, theirs: dict):

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import checkpoint, data, evaluate, train
+from eagle3lib import checkpoint, data, evaluate, train, train_data
 from eagle3lib.config import EvaluateConfig
 from eagle3lib.hidden_states import Capture, forward_states
 from eagle3lib.verifier import decoder_layers
@@ -28,7 +28,7 @@ def test_first_proposal_matches_speculators_training_alignment(pipeline, draft, 
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    ds = train.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
+    ds = train_data.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
     batch = CollateFn(256, 64, 3, torch.float32, preprocess=shift_batch)([ds[0]])
     n_real = int((batch["document_ids"] != -1).sum())
     with torch.no_grad():
@@ -70,7 +70,7 @@ def reference_logits(draft, aux, tokens, proposals):
 
 
 def sample_states(pipeline):
-    ds = train.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
+    ds = train_data.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
     sample = ds.shards[0].sample(0)
     return sample["hidden_states"][:, :-1].flatten(1).float(), sample["input_ids"].long()
 

@@ -187,7 +187,7 @@ def shard_files(results: Path) -> dict[str, bytes]:
 
 
 def assert_shards_as_uninterrupted(results: Path, reference: dict[str, bytes]) -> None:
-    from eagle3lib.hidden_states import check_shard
+    from eagle3lib.shards import check_shard
 
     built = shard_files(results)
     assert built.keys() == reference.keys()
@@ -412,21 +412,21 @@ def test_step_counter_is_exact_above_256(tmp_path):
     import torch
     from speculators.train.checkpointer import SingleGPUCheckpointer
 
-    from eagle3lib import train
+    from eagle3lib import speculators_compat
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     for _ in range(257):
         model(torch.ones(1, 4)).sum().backward()
         opt.step()
-    with train.cpu_trainer_patches():
+    with speculators_compat.cpu_trainer_patches():
         stock = SingleGPUCheckpointer(tmp_path / "stock")
         model.save_pretrained = lambda path, state_dict: Path(path).mkdir(parents=True)
         stock.save_checkpoint(model, opt, 0)
         ours = SingleGPUCheckpointer(tmp_path / "ours")
-        train.save_state_losslessly(ours)
-        ours.save_checkpoint(model, opt, 0)
-    assert step_counters(tmp_path / "stock" / "0") == {256.0}  # the landmine, still there
+        with speculators_compat.speculators_patches("fp32_state", checkpointer=ours):
+            ours.save_checkpoint(model, opt, 0)
+    assert step_counters(tmp_path / "stock" / "0") == {256.0}  # speculators as installed
     assert step_counters(tmp_path / "ours" / "0") == {257.0}
 
 

@@ -3,7 +3,7 @@ import pytest
 import tiny
 import torch
 
-from eagle3lib import data, hidden_states
+from eagle3lib import config, data, hidden_states, shard_writer, shards
 from eagle3lib.config import ExtractConfig, PrepareConfig
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, sha256_file
@@ -11,15 +11,15 @@ from eagle3lib.verifier import decoder_layers
 
 
 def test_aux_layer_defaults_and_validation():
-    assert hidden_states.resolve_aux_layers(None, 32) == [2, 16, 29]
-    assert hidden_states.resolve_aux_layers(None, 8) == [2, 4, 5]
+    assert config.resolve_aux_layers(None, 32) == [2, 16, 29]
+    assert config.resolve_aux_layers(None, 8) == [2, 4, 5]
     with pytest.raises(UserError, match=r"config key extract.aux_layers: the default \[2, 2, 1\]"):
-        hidden_states.resolve_aux_layers(None, 4)
+        config.resolve_aux_layers(None, 4)
     with pytest.raises(UserError, match="duplicate"):
-        hidden_states.resolve_aux_layers([1, 1, 3], 8)
+        config.resolve_aux_layers([1, 1, 3], 8)
     with pytest.raises(UserError, match=r"\[8\] out of range \[0, 7\]"):
-        hidden_states.resolve_aux_layers([1, 3, 8], 8)
-    assert hidden_states.resolve_aux_layers([5, 0, 3], 8) == [5, 0, 3]
+        config.resolve_aux_layers([1, 3, 8], 8)
+    assert config.resolve_aux_layers([5, 0, 3], 8) == [5, 0, 3]
 
 
 def sample_ids(tokenizer, n, seed=0):
@@ -109,10 +109,10 @@ def test_shard_holds_its_slice_with_states_equal_to_one_sample_forward(extracted
     assert manifest["sample_ids"] == ids[4:9]
     assert manifest["layer_ids"] == [2, 4, 5, 8]
     assert manifest["token_counts"] == [len(samples.sample(i)[0]) for i in range(4, 9)]
-    shard = hidden_states.open_shard(tmp / "shard-1.safetensors")
+    shard = shards.open_shard(tmp / "shard-1.safetensors")
     assert len(shard) == 5 and shard.valid.tolist() == [1] * 5
     assert stats["tokens"] == manifest["tokens"] == shard.hidden_states.shape[0]
-    hidden_states.check_shard(tmp / "shard-1.safetensors", manifest)
+    shards.check_shard(tmp / "shard-1.safetensors", manifest)
 
     capture = hidden_states.Capture(decoder_layers(verifier_model), [2, 4, 5])
     try:
@@ -145,7 +145,7 @@ def test_states_are_stored_as_computed_and_hashed_while_written(extracted):
     tmp, samples, _, cfg, _ = extracted
     manifest = read_json(tmp / "shard-1.json")
     assert manifest["file"]["sha256"] == sha256_file(tmp / "shard-1.safetensors")
-    shard = hidden_states.open_shard(tmp / "shard-1.safetensors")
+    shard = shards.open_shard(tmp / "shard-1.safetensors")
     lengths = manifest["token_counts"]
     assert len(set(lengths)) > 1
     order = [i for b in hidden_states.length_batches(lengths, cfg.batch_tokens) for i in b]
@@ -155,8 +155,8 @@ def test_states_are_stored_as_computed_and_hashed_while_written(extracted):
 
 
 def write_two_samples(path, order, second):
-    layout = hidden_states.ShardLayout((3, 2), 2, 4, order)
-    writer = hidden_states.ShardWriter(path, layout, {"format": "test"})
+    layout = shards.ShardLayout((3, 2), 2, 4, order)
+    writer = shard_writer.ShardWriter(path, layout, {"format": "test"})
     states = {0: torch.ones(3, 2, 4), 1: second}
     for i in layout.put_order:
         writer.put_states(i, states[i])
@@ -169,7 +169,7 @@ def test_writer_hash_equals_the_file_hash_in_any_order_with_rejected_samples(tmp
     bad[1, 0, 2] = float("inf")
     digest = write_two_samples(tmp_path / "s.safetensors", order, bad)
     assert digest == sha256_file(tmp_path / "s.safetensors")
-    shard = hidden_states.open_shard(tmp_path / "s.safetensors")
+    shard = shards.open_shard(tmp_path / "s.safetensors")
     assert shard.valid.tolist() == [1, 0]
     assert shard.sample(0)["hidden_states"].float().eq(1).all()
     assert shard.sample(1)["input_ids"].tolist() == [3, 4]
@@ -177,14 +177,14 @@ def test_writer_hash_equals_the_file_hash_in_any_order_with_rejected_samples(tmp
 
 
 def test_writer_refuses_samples_out_of_layout_order(tmp_path):
-    layout = hidden_states.ShardLayout((3, 2), 2, 4, (1, 0))
-    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {})
+    layout = shards.ShardLayout((3, 2), 2, 4, (1, 0))
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {})
     with pytest.raises(ValueError, match="sample 0 put where the layout expects 1"):
         writer.put_states(0, torch.ones(3, 2, 4))
     writer.abort()
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="permutation"):
-        hidden_states.ShardLayout((3, 2), 2, 4, (0, 0))
+        shards.ShardLayout((3, 2), 2, 4, (0, 0))
 
 
 def test_format_1_shards_without_row_starts_are_read(tmp_path):
@@ -202,7 +202,7 @@ def test_format_1_shards_without_row_starts_are_read(tmp_path):
         str(tmp_path / "old.safetensors"),
         metadata={"format": "eagle3lib.shard/1"},
     )
-    shard = hidden_states.open_shard(tmp_path / "old.safetensors")
+    shard = shards.open_shard(tmp_path / "old.safetensors")
     assert torch.equal(shard.sample(1)["hidden_states"], states[3:5])
 
 
@@ -224,8 +224,8 @@ def test_extraction_is_deterministic_and_input_hash_tracks_inputs(
         "layer_ids": [1, 2, 3, 8],
     }
     tokens = np.zeros(3, dtype=np.int32)
-    h1 = hidden_states.input_hash(tokens, np.zeros(3, np.uint8), np.array([0, 3]), other)
-    h2 = hidden_states.input_hash(tokens + 1, np.zeros(3, np.uint8), np.array([0, 3]), other)
+    h1 = shards.input_hash(tokens, np.zeros(3, np.uint8), np.array([0, 3]), other)
+    h2 = shards.input_hash(tokens + 1, np.zeros(3, np.uint8), np.array([0, 3]), other)
     assert h1 != h2
 
 
@@ -236,33 +236,33 @@ def test_truncated_or_corrupt_shard_is_detected(extracted, tmp_path):
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data_bytes[:-100])
     with pytest.raises(UserError, match="truncated"):
-        hidden_states.check_shard(cut, manifest)
+        shards.check_shard(cut, manifest)
     with pytest.raises(UserError, match="truncated or corrupt"):
-        hidden_states.open_shard(cut)
+        shards.open_shard(cut)
     flipped = bytearray(data_bytes)
     flipped[len(flipped) // 2] ^= 0xFF
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(bytes(flipped))
     with pytest.raises(UserError, match="does not match the sha256"):
-        hidden_states.check_shard(bad, manifest)
+        shards.check_shard(bad, manifest)
 
 
 def test_manifest_mismatch_names_the_field(extracted):
     tmp, *_ = extracted
     manifest = read_json(tmp / "shard-1.json")
     with pytest.raises(UserError, match="hidden_size=64"):
-        hidden_states.check_manifest(manifest, {"hidden_size": 4096}, "shard-1.json")
+        shards.check_manifest(manifest, {"hidden_size": 4096}, "shard-1.json")
 
 
 def test_non_finite_states_reject_the_sample(tmp_path):
-    layout = hidden_states.ShardLayout((3, 2), 2, 4)
-    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
     writer.put_states(0, torch.ones(3, 2, 4))
     bad = torch.ones(2, 2, 4)
     bad[1, 0, 2] = float("nan")
     writer.put_states(1, bad)
     writer.close(np.arange(5), np.ones(5, np.uint8))
-    shard = hidden_states.open_shard(tmp_path / "s.safetensors")
+    shard = shards.open_shard(tmp_path / "s.safetensors")
     assert shard.valid.tolist() == [1, 0]
     assert shard.sample(0)["hidden_states"].float().eq(1).all()
     # The file is valid safetensors too.
@@ -274,8 +274,8 @@ def test_non_finite_states_reject_the_sample(tmp_path):
 
 
 def test_aborted_writer_leaves_no_file(tmp_path):
-    layout = hidden_states.ShardLayout((3,), 2, 4)
-    writer = hidden_states.ShardWriter(tmp_path / "s.safetensors", layout, {})
+    layout = shards.ShardLayout((3,), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {})
     writer.put_states(0, torch.ones(3, 2, 4))
     writer.abort()
     assert list(tmp_path.iterdir()) == []
@@ -286,25 +286,23 @@ def test_fp8_quantization_keeps_every_row_within_e4m3_precision():
     x = torch.randn(5, 3, 64, generator=gen) * torch.logspace(-3, 3, 5)[:, None, None]
     x[1, 2] = 0.0  # a zero row
     x = x.to(torch.bfloat16)
-    values, scales = hidden_states.quantize_fp8(x)
+    values, scales = shards.quantize_fp8(x)
     assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
     assert scales.shape == (5, 3) and scales[1, 2] == 1.0
     # every row uses e4m3's whole range: its largest value maps to 448 exactly
     assert torch.equal(values.float().abs().amax(-1)[scales != 1], torch.full((14,), 448.0))
-    back = hidden_states.dequantize_fp8(values, scales, torch.float32)
+    back = shards.dequantize_fp8(values, scales, torch.float32)
     assert torch.equal(back[1, 2], torch.zeros(64))
     big = x.float().abs() >= x.float().abs().amax(-1, keepdim=True) / 64  # e4m3 normal range
     rel = ((back - x.float()).abs() / x.float().abs().clamp_min(1e-30))[big]
     assert rel.max() <= 2**-4 + 1e-6  # 3 mantissa bits: half a step is 1/16
-    assert torch.equal(
-        hidden_states.dequantize_fp8(values.view(torch.uint8), scales, torch.float32), back
-    )
+    assert torch.equal(shards.dequantize_fp8(values.view(torch.uint8), scales, torch.float32), back)
 
 
 def test_fp8_bytes_per_token_at_llama_8b_shape():
     """Half of bf16 within 0.51 at the 8B shape (4 slots of 4096): 16,405 vs 32,773 bytes."""
-    bf16 = hidden_states.ShardLayout((2048,), 4, 4096)
-    fp8 = hidden_states.ShardLayout((2048,), 4, 4096, storage="fp8")
+    bf16 = shards.ShardLayout((2048,), 4, 4096)
+    fp8 = shards.ShardLayout((2048,), 4, 4096, storage="fp8")
     assert fp8.bytes_per_token == 16405 and bf16.bytes_per_token == 32773
     assert fp8.data_bytes() / bf16.data_bytes() <= 0.51
 
@@ -325,11 +323,11 @@ def test_fp8_shard_holds_the_bf16_shard_quantized(extracted, extracted_fp8):
     carries its own sha256, size and storage; bytes per token as the layout says."""
     tmp, *_ = extracted
     out, _ = extracted_fp8
-    bf16 = hidden_states.open_shard(tmp / "shard-1.safetensors")
-    fp8 = hidden_states.open_shard(out / "shard-1.safetensors")
+    bf16 = shards.open_shard(tmp / "shard-1.safetensors")
+    fp8 = shards.open_shard(out / "shard-1.safetensors")
     assert fp8.storage == "fp8" and bf16.storage == "bf16"
     for i in range(len(bf16)):
-        values, scales = hidden_states.quantize_fp8(bf16.sample(i)["hidden_states"])
+        values, scales = shards.quantize_fp8(bf16.sample(i)["hidden_states"])
         item = fp8.sample(i)
         assert torch.equal(item["hidden_states"].view(torch.uint8), values.view(torch.uint8))
         assert torch.equal(item["hidden_scales"], scales)
@@ -338,14 +336,12 @@ def test_fp8_shard_holds_the_bf16_shard_quantized(extracted, extracted_fp8):
     manifest = read_json(out / "shard-1.json")
     assert manifest["state_dtype"] == "float8_e4m3fn"
     assert manifest["file"]["sha256"] == sha256_file(out / "shard-1.safetensors")
-    layout = hidden_states.ShardLayout(tuple(manifest["token_counts"]), 4, 64, storage="fp8")
-    header = layout.header(
-        {"format": hidden_states.SHARD_FORMAT, "input_hash": manifest["input_hash"]}
-    )
+    layout = shards.ShardLayout(tuple(manifest["token_counts"]), 4, 64, storage="fp8")
+    header = layout.header({"format": shards.SHARD_FORMAT, "input_hash": manifest["input_hash"]})
     assert manifest["file"]["bytes"] == len(header) + layout.data_bytes()
     assert manifest["file"]["bytes"] == (out / "shard-1.safetensors").stat().st_size
     with pytest.raises(UserError, match="state_dtype='float8_e4m3fn'.*'bfloat16'"):
-        hidden_states.check_manifest(manifest, {"state_dtype": "bfloat16"}, "shard-1.json")
+        shards.check_manifest(manifest, {"state_dtype": "bfloat16"}, "shard-1.json")
 
 
 def test_fp8_extraction_is_byte_reproducible(extracted, extracted_fp8, verifier_record, tmp_path):

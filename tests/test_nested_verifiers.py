@@ -15,7 +15,17 @@ import pytest
 import tiny
 import torch
 
-from eagle3lib import checkpoint, data, evaluate, hidden_states, report, train, verifier, vocab
+from eagle3lib import (
+    checkpoint,
+    data,
+    evaluate,
+    hidden_states,
+    report,
+    shards,
+    train,
+    verifier,
+    vocab,
+)
 from eagle3lib.config import EvaluateConfig, ExtractConfig, PrepareConfig, TrainConfig
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json
@@ -150,7 +160,7 @@ def test_extract_train_check_and_evaluate(nested, tmp_path):
     assert read_json(manifest)["hidden_size"] == 64
 
     # Batched extraction equals a one-sample forward of the whole HF model (bf16 storage).
-    stored = hidden_states.open_shard(shard)
+    stored = shards.open_shard(shard)
     norm = verifier.text_decoder(model).norm
     for i in (0, len(stored) - 1):
         item = stored.sample(i)

@@ -204,7 +204,7 @@ def test_the_report_says_when_trust_remote_code_was_on(verifier_record):
 
 def test_vllm_servers_bind_loopback_only(tmp_path, monkeypatch):
     from eagle3lib import serve
-    from eagle3lib.hidden_states import vllm_extraction_args
+    from eagle3lib.vllm_extraction import vllm_extraction_args
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     # Whatever the vllm section holds, no setting reaches the host flag.

@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import train_pipeline
 
-from eagle3lib import batches, train
+from eagle3lib import batches, speculators_compat, streaming_trainer, train, train_data
 from eagle3lib.errors import UserError
-from eagle3lib.hidden_states import open_shard
+from eagle3lib.shards import open_shard
 
 
 def test_training_runs_and_records_loss_curves(pipeline):
@@ -25,9 +25,9 @@ def test_training_runs_and_records_loss_curves(pipeline):
 
 def test_dataset_serves_speculators_contract_from_shards(pipeline):
     shards = [open_shard(p) for p in pipeline["shards"]]
-    train_pairs, val_pairs = train.split_indices(shards, 0.1)
+    train_pairs, val_pairs = train_data.split_indices(shards, 0.1)
     assert len(val_pairs) == 4 and train_pairs[-1] != val_pairs[0]
-    ds = train.ShardDataset(pipeline["shards"], train_pairs, 256, torch.float32)
+    ds = train_data.ShardDataset(pipeline["shards"], train_pairs, 256, torch.float32)
     item = ds[3]
     s, i = train_pairs[3]
     raw = shards[s].sample(i)
@@ -46,7 +46,7 @@ def test_rejected_samples_are_not_trained_on(pipeline):
     shards = [open_shard(p) for p in pipeline["shards"]]
     shards[0].valid = shards[0].valid.copy()
     shards[0].valid[1] = 0
-    train_pairs, val_pairs = train.split_indices(shards, 0.1)
+    train_pairs, val_pairs = train_data.split_indices(shards, 0.1)
     assert (0, 1) not in train_pairs + val_pairs
     assert len(train_pairs) + len(val_pairs) == 39
 
@@ -86,7 +86,7 @@ def test_cpu_patches_are_scoped():
     from speculators.train import checkpointer, trainer
 
     before = (trainer.get_local_rank, trainer._StepTimer, checkpointer.get_current_device)
-    with train.cpu_trainer_patches():
+    with speculators_compat.cpu_trainer_patches():
         assert trainer.get_local_rank() == "cpu"
         assert checkpointer.get_current_device() == "cpu"
         timer = trainer._StepTimer(enabled=True)
@@ -101,7 +101,7 @@ def test_flex_attention_on_cpu_is_refused():
         train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))
 
 
-class SkipsOneBatch(train.StreamingTrainer):
+class SkipsOneBatch(streaming_trainer.StreamingTrainer):
     """A mutation of ours: the second batch of the epoch is never trained on."""
 
     def _device_batches(self, loader):
@@ -119,9 +119,9 @@ def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp
     curves = {}
     runs = (
         ("speculators", Trainer, {}),
-        ("streaming", train.StreamingTrainer, {}),
+        ("streaming", streaming_trainer.StreamingTrainer, {}),
         ("skips-a-batch", SkipsOneBatch, {}),
-        ("lr-1.5x", train.StreamingTrainer, {"lr": pipeline["train_cfg"].lr * 1.5}),
+        ("lr-1.5x", streaming_trainer.StreamingTrainer, {"lr": pipeline["train_cfg"].lr * 1.5}),
     )
     for name, cls, changes in runs:
         state = tmp_path / name
@@ -175,7 +175,7 @@ def test_training_never_changes_the_drafts_buffers(pipeline, tmp_path):
     """What lets DDP skip re-sending them every step (StreamingTrainer.ddp_broadcast_buffers)."""
     seen = {}
 
-    class Recording(train.StreamingTrainer):
+    class Recording(streaming_trainer.StreamingTrainer):
         def run_training(self):
             seen["before"] = {k: v.clone() for k, v in self.model.named_buffers()}
             super().run_training()
@@ -198,7 +198,7 @@ def test_ddp_stops_broadcasting_buffers_when_asked():
         module.register_buffer("table", torch.arange(3))
         ddp = DistributedDataParallel(module)
         assert ddp.will_sync_module_buffers()
-        train.stop_buffer_broadcast(ddp)
+        streaming_trainer.stop_buffer_broadcast(ddp)
         assert not ddp.will_sync_module_buffers()
         ddp(torch.ones(1, 2)).sum().backward()  # still trains
     finally:
@@ -276,7 +276,7 @@ def test_accuracy_counts_equal_speculators_without_masked_select(mask_dtype, pre
     with_prev = prev is not None
     prev_ours = prev.clone() if with_prev else None
     theirs = compute_accuracy_single_step(pred, target, mask, prev)
-    ours = train.accuracy_counts(pred, target, mask, prev_ours)
+    ours = speculators_compat.accuracy_counts(pred, target, mask, prev_ours)
     assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.float32] * 4
     assert [t.item() for t in ours] == [t.item() for t in theirs]
     assert 0 < ours[0].item() < ours[1].item()
@@ -288,24 +288,27 @@ def test_scalar_tensors_are_filled_on_the_device_with_torch_tensors_dtype():
     """Python scalars on a non-CPU device (meta here, CUDA on a GPU) are filled there with the
     dtype torch.tensor would give; everything else is torch.tensor itself."""
     for value in (1.0, 0, True):
-        made = train._scalar_tensor(value, device="meta")
+        made = speculators_compat.scalar_tensor(value, device="meta")
         assert (made.shape, made.dtype, made.device.type) == (
             torch.Size([]),
             torch.tensor(value).dtype,
             "meta",
         )
-    assert train._scalar_tensor(2.5, device="meta", dtype=torch.float64).dtype == torch.float64
-    assert torch.equal(train._scalar_tensor([1, 2]), torch.tensor([1, 2]))
-    assert train._scalar_tensor(3.0, device="cpu").item() == 3.0
+    assert (
+        speculators_compat.scalar_tensor(2.5, device="meta", dtype=torch.float64).dtype
+        == torch.float64
+    )
+    assert torch.equal(speculators_compat.scalar_tensor([1, 2]), torch.tensor([1, 2]))
+    assert speculators_compat.scalar_tensor(3.0, device="cpu").item() == 3.0
 
 
 def test_sync_free_patches_are_scoped():
     from speculators.models.eagle3 import core, metrics
 
     before = (metrics.compute_accuracy_single_step, metrics.torch, core.torch)
-    with train.sync_free_eagle3():
-        assert metrics.compute_accuracy_single_step is train.accuracy_counts
-        assert core.torch.tensor is train._scalar_tensor
+    with speculators_compat.speculators_patches("sync_free_eagle3"):
+        assert metrics.compute_accuracy_single_step is speculators_compat.accuracy_counts
+        assert core.torch.tensor is speculators_compat.scalar_tensor
         assert core.torch.cat is torch.cat and metrics.torch.argmax is torch.argmax
     assert (metrics.compute_accuracy_single_step, metrics.torch, core.torch) == before
 
@@ -321,7 +324,7 @@ def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_
         shutil.copy(manifest, tmp_path / manifest.name)
         copies.append((tmp_path / shard.name, tmp_path / manifest.name))
     shards, manifests = zip(*copies, strict=True)
-    assert len(train.open_verified_shards(shards, manifests, {})) == 2  # intact: both open
+    assert len(train_data.open_verified_shards(shards, manifests, {})) == 2  # intact: both open
 
     def flip(path):  # same size, other content: only the sha256 can tell
         data = bytearray(path.read_bytes())
@@ -330,27 +333,27 @@ def test_damaged_shards_lose_their_manifests_and_are_never_opened(pipeline, tmp_
 
     flip(shards[1])
     with pytest.raises(UserError, match=r"shard-1.safetensors: content does not match.*removed"):
-        train.open_verified_shards(shards, manifests, {})
+        train_data.open_verified_shards(shards, manifests, {})
     assert manifests[0].exists() and not manifests[1].exists()
 
     shutil.copy(pipeline["manifests"][1], manifests[1])
     flip(shards[0])
     with pytest.raises(UserError, match=r"shard-0.*\(and 1 more damaged shard\(s\)\)"):
-        train.open_verified_shards(shards, manifests, {})
+        train_data.open_verified_shards(shards, manifests, {})
     assert not manifests[0].exists() and not manifests[1].exists()
 
 
 def test_fp8_batches_reach_the_draft_as_the_bf16_batches_quantized(pipeline, fp8_shards):
     """Same packing, same tokens; on the way into the draft's forward the fp8 bytes and scales
     become exactly the dequantized bf16 states (speculators' shift applied to both)."""
-    from eagle3lib.hidden_states import dequantize_fp8, quantize_fp8
+    from eagle3lib.shards import dequantize_fp8, quantize_fp8
 
     shards = [open_shard(p) for p in pipeline["shards"]]
-    pairs, _ = train.split_indices(shards, 0.1)
-    hook = train.fp8_inputs(torch.float32)
+    pairs, _ = train_data.split_indices(shards, 0.1)
+    hook = train_data.fp8_inputs(torch.float32)
     loaders = [
-        train.make_loader(
-            train.ShardDataset(paths, pairs, 256, torch.float32, storage), 256, 64, 3, 0
+        train_data.make_loader(
+            train_data.ShardDataset(paths, pairs, 256, torch.float32, storage), 256, 64, 3, 0
         )
         for paths, storage in ((pipeline["shards"], "bf16"), (fp8_shards[0], "fp8"))
     ]
@@ -392,12 +395,12 @@ def test_training_on_fp8_shards_follows_bf16_training(pipeline, fp8_shards, tmp_
     "seconds, text", [(0.4, "0 s"), (42, "42 s"), (200, "3 min 20 s"), (3725, "1 h 02 min")]
 )
 def test_duration(seconds, text):
-    assert train.duration(seconds) == text
+    assert streaming_trainer.duration(seconds) == text
 
 
 def test_progress_line_extrapolates_from_this_runs_pace():
     # a resumed run: steps 100..120 took 60 s here, 180 steps are left at 3 s each
-    line = train.progress_line(120, 300, 1, 3, 24_000, 60.0, 20)
+    line = streaming_trainer.progress_line(120, 300, 1, 3, 24_000, 60.0, 20)
     assert line == (
         "train: step 120/300 (epoch 2/3), 400 tokens/s, 1 min 00 s elapsed, about 9 min 00 s left"
     )
@@ -409,7 +412,7 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
     clock = iter([0.0, 1.0, 2.0, 12.5, 13.0, 14.0])
     monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
     out = io.StringIO()
-    progress = train.TrainingProgress(epochs=1, every=10.0, stream=out)
+    progress = streaming_trainer.TrainingProgress(epochs=1, every=10.0, stream=out)
     progress.epoch_started(0, 0, 5)
     for step in range(1, 6):
         progress.step(step, 0, 100)
@@ -423,12 +426,12 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
 
 
 def test_progress_total_follows_each_epochs_step_count_and_max_steps():
-    progress = train.TrainingProgress(epochs=3)
+    progress = streaming_trainer.TrainingProgress(epochs=3)
     progress.epoch_started(0, 0, 71)
     assert progress.total == 213
     progress.epoch_started(2, 141, 70)  # the packing gave the last epoch one step less
     assert progress.total == 211
-    capped = train.TrainingProgress(epochs=3, max_steps=100)
+    capped = streaming_trainer.TrainingProgress(epochs=3, max_steps=100)
     capped.epoch_started(0, 0, 71)
     assert capped.total == 100
 

@@ -130,6 +130,7 @@ def test_vllm_shards_equal_hf_shards(served, tmp_path):
     from eagle3lib.config import ExtractConfig
     from eagle3lib.data import load_samples
     from eagle3lib.fileio import read_json
+    from eagle3lib.shards import open_shard
 
     _, results, _ = served
     manifest = read_json(results / "hidden_states" / "shard-0.json")
@@ -146,8 +147,8 @@ def test_vllm_shards_equal_hf_shards(served, tmp_path):
         tmp_path / "hf.safetensors",
         tmp_path / "hf.json",
     )
-    vllm_shard = hs.open_shard(results / "hidden_states" / "shard-0.safetensors")
-    hf_shard = hs.open_shard(tmp_path / "hf.safetensors")
+    vllm_shard = open_shard(results / "hidden_states" / "shard-0.safetensors")
+    hf_shard = open_shard(tmp_path / "hf.safetensors")
     assert (vllm_shard.input_ids == hf_shard.input_ids).all() and (
         vllm_shard.offsets == hf_shard.offsets
     ).all()
@@ -170,7 +171,7 @@ def test_vllm_shards_equal_hf_shards(served, tmp_path):
         samples, ids, 0, ExtractConfig(shards=1, storage="fp8"), record,
         tmp_path / "h8.safetensors", tmp_path / "h8.json",
     )  # fmt: skip
-    v8, h8 = hs.open_shard(tmp_path / "v8.safetensors"), hs.open_shard(tmp_path / "h8.safetensors")
+    v8, h8 = open_shard(tmp_path / "v8.safetensors"), open_shard(tmp_path / "h8.safetensors")
     assert v8.storage == h8.storage == "fp8"
     assert read_json(tmp_path / "v8.json")["state_dtype"] == "float8_e4m3fn"
     assert (v8.offsets == h8.offsets).all() and (v8.row_starts == h8.row_starts).all()

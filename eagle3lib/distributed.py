@@ -1,0 +1,60 @@
+"""The torchrun process group as speculators' trainer and sampler see it: set up, queried, torn
+down. speculators' own set-up serves GPUs; on CPU a gloo group fills the same state."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from speculators.train import distributed as sd
+
+from eagle3lib.speculators_compat import speculators_patches
+
+# The CPU group's entries in speculators' distributed state, restored by teardown_distributed.
+_GROUP = contextlib.ExitStack()
+
+
+def setup_distributed() -> int:
+    """Join the torchrun process group if launched by torchrun; return this rank.
+
+    On GPUs this is speculators' own set-up (NCCL, one device per local rank); on CPU (tests)
+    a gloo group fills the same topology state speculators' trainer and sampler read
+    (``speculators_compat`` entry ``gloo_group``), until ``teardown_distributed``.
+    """
+    if "LOCAL_RANK" not in os.environ or sd.is_distributed():
+        return sd.get_rank()
+    if torch.accelerator.current_accelerator() is not None:
+        sd.maybe_setup_distributed()
+        return sd.get_rank()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _GROUP.enter_context(
+        speculators_patches(
+            "gloo_group", local_rank=int(os.environ["LOCAL_RANK"]), rank=rank, world_size=world
+        )
+    )
+    sd._init_sp_process_groups(rank, world, 1)  # noqa: SLF001 - speculators' own set-up step
+    return rank
+
+
+def distributed_rank() -> int:
+    return sd.get_rank()
+
+
+def world_size() -> int:
+    return sd.get_world_size()
+
+
+def barrier() -> None:
+    if sd.is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def teardown_distributed() -> None:
+    sd.maybe_destroy_distributed()
+    _GROUP.close()

@@ -1,0 +1,321 @@
+"""``StreamingTrainer``: speculators' Trainer with a step loop that never makes the host wait
+for the GPU, and its progress lines."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from speculators.train.trainer import Trainer
+
+from eagle3lib.speculators_compat import speculators_patches
+
+
+def duration(seconds: float) -> str:
+    """``1 h 02 min``, ``3 min 20 s`` or ``42 s``."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    if s >= 60:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s} s"
+
+
+def progress_line(
+    step: int, total: int, epoch: int, epochs: int, tokens: int, seconds: float, steps_run: int
+) -> str:
+    """One line of training progress: ``step`` of ``total`` done, ``steps_run`` of them (and
+    ``tokens`` real tokens) in ``seconds`` by this process; the rest at the same pace."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    left = (total - step) * seconds / steps_run if steps_run else 0.0
+    return (
+        f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), {rate:,.0f} tokens/s, "
+        f"{duration(seconds)} elapsed, about {duration(left)} left"
+    )
+
+
+class TrainingProgress:
+    """Prints ``progress_line`` to stderr after the first step, then every ``every`` seconds
+    and after the last step (host clock only: no wait for the GPU)."""
+
+    def __init__(self, epochs: int, max_steps: int | None = None, every: float = 10.0, stream=None):
+        self.epochs, self.max_steps, self.every = epochs, max_steps, every
+        self.stream = stream
+        self.total = max_steps or 0
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+        self.steps_run = 0
+
+    def epoch_started(self, epoch: int, steps_before: int, steps_in_epoch: int) -> None:
+        """The run's total, as if every epoch left had this one's steps (the sampler's packing,
+        so the count, changes from epoch to epoch); at most ``max_steps``."""
+        total = steps_before + (self.epochs - epoch) * steps_in_epoch
+        self.total = min(total, self.max_steps) if self.max_steps is not None else total
+
+    def step(self, step: int, epoch: int, tokens: int) -> None:
+        """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens)."""
+        import sys
+
+        self.tokens += tokens
+        self.steps_run += 1
+        now = time.perf_counter()
+        if self.steps_run > 1 and step < self.total and now - self.last < self.every:
+            return
+        self.last = now
+        line = progress_line(
+            step, self.total, epoch, self.epochs, self.tokens, now - self.start, self.steps_run
+        )
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+
+def stop_buffer_broadcast(ddp_model) -> None:
+    """A DistributedDataParallel model no longer broadcasts its buffers before each forward
+    (they were synced when it was built; torch's ``broadcast_buffers``)."""
+    ddp_model.broadcast_buffers = False
+
+
+def _keep(_event=None) -> None:
+    """release() of a batch that owns its memory."""
+
+
+class StreamingTrainer(Trainer):
+    """speculators' Trainer with a step loop that never makes the host wait for the GPU.
+
+    speculators' own loop synchronises every step (it builds metric tensors from Python
+    numbers, a blocking copy) and copies each batch to the device just before using it, so the
+    GPU idles while the host prepares the next step. Here the next batch is copied on a side
+    stream while the current step runs, and metrics leave the device only on logging steps.
+    The model's loss metrics run without their host syncs (``speculators_compat`` entries
+    ``sync_free_eagle3``). Forward
+    (autocast), loss, backward, gradient clipping, optimiser, scheduler, mid-epoch checkpoints,
+    resume skipping and max_steps are speculators' own, unchanged.
+    """
+
+    data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
+    loader_threads = 4  # threads building batches (train.loader_threads); 0: one, as before
+    sync_free = True  # speculators' loss metrics without host syncs (entries sync_free_eagle3)
+
+    progress: TrainingProgress | None = None
+    # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
+    # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
+    # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
+    ddp_broadcast_buffers = True
+
+    def _setup_model_ddp(self, load_checkpoint: bool):
+        super()._setup_model_ddp(load_checkpoint)
+        if not self.ddp_broadcast_buffers:
+            stop_buffer_broadcast(self.model)
+
+    def run_training(self):
+        if self.rank == 0:
+            self.progress = TrainingProgress(self.config.num_epochs, self.config.max_steps)
+        sync_free = ("sync_free_eagle3",) if self.sync_free else ()
+        with speculators_patches(*sync_free):
+            return super().run_training()
+
+    def setup_optimizer(self):
+        """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)."""
+        fused = torch.cuda.is_available() and self.config.optimizer == "adamw"
+        with speculators_patches(*(("fused_adamw",) if fused else ())):
+            return super().setup_optimizer()
+
+    def _prefetched(self, loader, depth: int = 4):
+        """(batch, release) of ``loader`` in order, built ahead in background threads.
+
+        Without DataLoader workers, ``loader_threads`` threads build them
+        (``batches.ThreadedBatches``: into reused pinned buffers, handed back by ``release``);
+        with workers, or with ``loader_threads`` 0, one thread iterates the DataLoader."""
+        if self.loader_threads and not loader.num_workers:
+            from eagle3lib.batches import ThreadedBatches
+
+            batches = iter(ThreadedBatches(loader, self.loader_threads))
+        else:
+            batches = self._one_thread(loader, depth)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(batches, None)
+                self.data_wait_seconds += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item
+        finally:
+            batches.close()  # stops its threads now, also when the epoch ends early
+
+    def _one_thread(self, loader, depth: int):
+        """(batch, release) of ``loader``, iterated in one background thread (reading and
+        collating overlap the step)."""
+        import queue
+        import threading
+
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        done = object()
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for batch in loader:
+                    if stop.is_set():
+                        return
+                    q.put(batch)
+            except BaseException as exc:  # re-raised in the training thread
+                q.put(exc)
+            q.put(done)
+
+        thread = threading.Thread(target=produce, name="batch-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item, _keep
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock the producer
+                with contextlib.suppress(queue.Empty):
+                    q.get_nowait()
+                thread.join(timeout=0.05)
+
+    def _device_batches(self, loader):
+        """Yield (host batch, device batch); on CUDA batch k+1 is copied while k computes.
+        A host batch's buffers go back to the loader once its step is done and its copy has
+        completed (the event recorded after it)."""
+        batches = self._prefetched(loader)
+        try:
+            yield from self._device_batches_of(batches)
+        finally:
+            batches.close()
+
+    def _device_batches_of(self, batches):
+        device = self.local_rank
+        if not torch.cuda.is_available():
+            for batch, release in batches:
+                yield batch, batch
+                release(None)
+            return
+        stream = torch.cuda.Stream()
+
+        def move(batch):
+            with torch.cuda.stream(stream):
+                moved = {
+                    k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in batch.items()
+                }
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            return moved, copied
+
+        def ready(moved):
+            torch.cuda.current_stream().wait_stream(stream)
+            for v in moved.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(torch.cuda.current_stream())
+            return moved
+
+        it = iter(batches)
+        try:
+            pending, pending_release = next(it)
+        except StopIteration:
+            return
+        moved, copied = move(pending)
+        for batch, release in it:
+            current, current_release, current_copied = pending, pending_release, copied
+            current_moved = ready(moved)
+            pending, pending_release = batch, release
+            moved, copied = move(batch)
+            yield current, current_moved
+            current_release(current_copied)
+        yield pending, ready(moved)
+        pending_release(copied)
+
+    # long: speculators' Trainer.train_epoch, kept step for step in its order so it can be compared
+    def train_epoch(self, epoch, *, step_callback=None):  # noqa: C901 - mirrors speculators'
+        from speculators.train import trainer as st
+        from speculators.train.recovery import RECOVERY_METADATA_KEY
+        from speculators.train.utils import normalize_counted_metrics
+
+        if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
+            return  # speculators would run one more step in every later epoch
+
+        self.model.train()
+        if hasattr(self.train_loader.batch_sampler, "set_epoch"):
+            self.train_loader.batch_sampler.set_epoch(epoch)
+        num_steps = len(self.train_loader)
+        skip_steps = self._prepare_resume_skip(epoch)
+        if self.progress is not None:
+            self.progress.epoch_started(epoch, self.global_step - skip_steps, num_steps)
+        loader = self.train_loader
+        step_interval = (
+            max(1, round(num_steps * self.config.checkpoint_freq))
+            if self.config.checkpoint_freq < 1
+            else None
+        )
+        interval_tokens, interval_start = 0, time.perf_counter()
+        interval_wait = self.data_wait_seconds
+        for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
+            local_step = local_step_rel + skip_steps
+            gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
+            tokens = int((batch["document_ids"] != -1).sum())
+            interval_tokens += tokens
+            with torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype):
+                _draft_tokens, loss, metrics = self.model(
+                    **gpu_batch, **(self.config.train_call_kwargs or {})
+                )
+            self._optimizers_zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self._optimizers_step()
+            current_lrs = {type(o).__name__: o.param_groups[0]["lr"] for o in self.optimizers}
+            self._schedulers_step()
+
+            if self.global_step % self.config.log_freq == 0:  # the only host sync
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                metrics["error_records_sum"] = torch.tensor(float(batch["error_records"]))
+                metrics["error_records_total"] = torch.tensor(1.0 if self.rank == 0 else 0.0)
+                if self.is_distributed:
+                    metrics = st._all_reduce_metrics(  # noqa: SLF001
+                        {k: v.to(loss.device) for k, v in metrics.items()}
+                    )
+                values = {k: v.item() for k, v in metrics.items()}
+                world = st.dist.get_world_size() if self.is_distributed else 1
+                values = normalize_counted_metrics(values, world)
+                lrs = current_lrs if len(current_lrs) > 1 else next(iter(current_lrs.values()))
+                st.metric_logger.info(
+                    {
+                        "train": values,
+                        "profile": {
+                            "tokens_per_s": interval_tokens / max(now - interval_start, 1e-9),
+                            "data_wait_fraction": (self.data_wait_seconds - interval_wait)
+                            / max(now - interval_start, 1e-9),
+                        },
+                        "epoch": epoch,
+                        "lr": lrs,
+                        "global_step": self.global_step,
+                    },
+                    extra={"step": self.global_step},
+                )
+                interval_tokens, interval_start = 0, now
+                interval_wait = self.data_wait_seconds
+            self.global_step += 1
+            if self.progress is not None:
+                self.progress.step(self.global_step, epoch, tokens)
+            if step_callback is not None:
+                step_callback()
+            if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
+                break
+            if (
+                step_interval is not None
+                and not self.config.save_best
+                and local_step % step_interval == 0
+                and num_steps - local_step >= step_interval * st.MIN_STEP_PCT
+            ):
+                self.maybe_save_checkpoint(epoch, local_step=local_step)
+
+
+# ---- model and trainer -----------------------------------------------------------------------
