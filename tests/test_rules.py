@@ -24,6 +24,12 @@ def rules_in(path: Path) -> list[str]:
     return re.findall(r"^rule (\w+):", path.read_text(), flags=re.MULTILINE)
 
 
+def rule_text(stage: str, name: str) -> str:
+    """The text of rule ``name`` in rules/<stage>.smk, up to the next rule."""
+    text = (ROOT / "rules" / f"{stage}.smk").read_text()
+    return text.split(f"rule {name}:", 1)[1].split("\nrule ", 1)[0]
+
+
 def test_each_job_has_its_rule_script_and_library_where_the_table_says():
     for job in job_table():
         name = job["name"]
@@ -39,3 +45,13 @@ def test_every_rule_is_a_job_of_the_table_and_every_rules_file_is_included():
     snakefile = (ROOT / "Snakefile").read_text()
     for path in rule_files:
         assert f'include: "rules/{path.name}"' in snakefile, path.name
+
+
+def test_the_gpu_jobs_of_the_table_and_only_they_start_with_gpu_job():
+    for job in job_table():
+        text = rule_text(job["stage"], job["name"])
+        if job.get("gpus"):
+            assert f'gpu_job("{job["name"]}"' in text, job["name"]
+            assert f'gpu_count("{job["name"]}")' in text or "train_resources()" in text
+        else:
+            assert "gpu_job(" not in text and "gpu=" not in text, job["name"]
