@@ -90,7 +90,7 @@ GPU_RECORD = results("gpu/{job}.json")
 class Job:
     """A job of the workflow and where its pieces are, all found from its name: its rule
     <name> in rules/<stage>.smk, its command scripts/<name>.py, its library code
-    eagle3lib/<library>.py, its provenance record results/<run>/<folder>/provenance-<name>.json
+    eagle3lib/<library>, its provenance record results/<run>/<folder>/provenance-<name>.json
     (beside its artifacts), its log logs/<name>.log, its benchmark benchmarks/<name>.tsv and
     its GPU record gpu/<name>.json (of a job per shard: <name>-<shard>)."""
 
@@ -108,38 +108,40 @@ class Job:
 
 
 JOBS = (
-    Job("verifier", "verifier", "verifier", "verifier"),
+    Job("verifier", "verifier", "verifier.py", "verifier"),
     Job(
         "regenerate",
         "regenerate",
-        "regenerate",
+        "regenerate.py",
         "regenerated",
         enabled_by="regenerate.enabled",
         gpus="regenerate.gpus",
     ),
-    Job("prepare", "data", "data", "prepared"),
+    Job("prepare", "data", "data.py", "prepared"),
     Job(
         "extract",
         "hidden_states",
-        "hidden_states",
+        "hidden_states.py",
         "hidden_states",
         gpus="extract.gpus_per_job",
         per_shard=True,
     ),
-    Job("vocab", "vocab", "vocab", "vocab"),
-    Job("train", "train", "train", "checkpoint", gpus="train.gpus"),
-    Job("check_checkpoint", "evaluate", "checkpoint", "reports", benchmark=False),
-    Job("evaluate", "evaluate", "evaluate", "reports", gpus="evaluate.gpus"),
+    Job("vocab", "vocab", "vocab.py", "vocab"),
+    Job("train", "train", "train.py", "checkpoint", gpus="train.gpus"),
+    Job("check_checkpoint", "evaluate", "checkpoint.py", "reports", benchmark=False),
+    Job("evaluate", "evaluate", "evaluate.py", "reports", gpus="evaluate.gpus"),
     Job(
         "serve_check",
         "evaluate",
-        "serve",
+        "serve.py",
         "reports",
         enabled_by="serve_check.enabled",
         gpus="serve_check.gpus",
     ),
-    Job("report", "report", "report", "reports", benchmark=False),
-    Job("validate", "report", "report", "reports", benchmark=False, provenance=False),
+    Job("report", "report", "report.py", "reports", benchmark=False),
+    Job(
+        "validate", "report", "report.py", "reports", benchmark=False, provenance=False
+    ),
 )
 JOB = {job.name: job for job in JOBS}
 # The GPU counts' keys within their sections: resources, not inputs of a job's results.
