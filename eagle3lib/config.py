@@ -1,7 +1,9 @@
 """Typed views of the validated workflow configuration (rules/schemas/config.schema.yaml).
 
 Snakemake validates config.yaml against the schema and fills defaults; each rule hands its
-section to a script as JSON, and the script builds one of these dataclasses from it.
+section to a script as JSON, and the script builds one of these dataclasses from it. The
+schema is the one source of defaults: the dataclasses' own (for callers without a config) must
+equal it, which tests/test_config.py checks key by key.
 """
 
 from __future__ import annotations
@@ -78,15 +80,47 @@ class PrepareConfig:
     allow_truncated_json: bool = False
 
 
-def aux_layer_errors(aux_layers: Any) -> list[str]:
-    """What is wrong with extract.aux_layers before the verifier's depth is known."""
-    if aux_layers is None or not isinstance(aux_layers, list):
-        return []
+@dataclasses.dataclass(frozen=True)
+class RegenerateConfig:
+    backend: str = "hf"
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 16
+    concurrency: int = 8
+    chunk_size: int = 64
+    max_turns: int | None = None
+    kv_cache: str = "static"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """speculators' default auxiliary layers."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def aux_layer_errors(aux_layers: Any, num_layers: int | None = None) -> list[str]:
+    """What is wrong with extract.aux_layers (null: speculators' default), one line each:
+    empty, duplicate or negative ids, and, once the verifier's depth ``num_layers`` is known,
+    ids beyond its last layer or a default that does not fit it."""
     key = "config key extract.aux_layers"
+    if aux_layers is None:
+        if num_layers is None:
+            return []
+        ids = default_aux_layers(num_layers)
+        if len(set(ids)) == len(ids) and min(ids) >= 0:
+            return []
+        return [
+            f"{key}: the default {ids} is invalid for a verifier with {num_layers} layers; "
+            f"set extract.aux_layers to distinct ids in [0, {num_layers - 1}]"
+        ]
+    if not isinstance(aux_layers, list):
+        return []  # the schema names the type
     if not aux_layers:
         return [f"{key}: empty list; give at least one layer id, or null for the default"]
     duplicates = sorted({k for k in aux_layers if aux_layers.count(k) > 1})
-    negative = [k for k in aux_layers if isinstance(k, int) and k < 0]
+    negative = [k for k in aux_layers if k < 0]
+    beyond = [k for k in aux_layers if num_layers is not None and k >= num_layers]
     errors = []
     if duplicates:
         errors.append(
@@ -98,41 +132,22 @@ def aux_layer_errors(aux_layers: Any) -> list[str]:
             f"{key}: negative layer id(s) {negative}; use ids from 0 (the embeddings' output) "
             "to the verifier's num_hidden_layers - 1"
         )
+    if beyond:
+        errors.append(
+            f"{key}: layer id(s) {beyond} out of range [0, {num_layers - 1}] for a verifier "
+            f"with {num_layers} layers (the final layer is always added); use ids from 0 to "
+            f"{num_layers - 1}"
+        )
     return errors
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """speculators' default auxiliary layers."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
-    """Validate the aux layer ids (distinct, in [0, L-1]); None picks speculators' default."""
-    if aux_layers is None:
-        ids = default_aux_layers(num_layers)
-        if len(set(ids)) != len(ids) or min(ids) < 0:
-            raise UserError(
-                f"config key extract.aux_layers: the default {ids} is invalid for a verifier with "
-                f"{num_layers} layers; set extract.aux_layers to distinct ids in [0, {num_layers - 1}]"
-            )
-        return ids
-    ids = [int(k) for k in aux_layers]
-    if not ids:
-        raise UserError(
-            "config key extract.aux_layers: empty list; give at least one layer id (or null)"
-        )
-    if len(set(ids)) != len(ids):
-        raise UserError(
-            f"config key extract.aux_layers: duplicate layer ids in {ids}; list each layer once"
-        )
-    bad = [k for k in ids if not 0 <= k < num_layers]
-    if bad:
-        raise UserError(
-            f"config key extract.aux_layers: layer id(s) {bad} out of range [0, {num_layers - 1}] "
-            f"for a verifier with {num_layers} layers (the final layer is always added); use ids "
-            f"from 0 to {num_layers - 1}"
-        )
-    return ids
+    """The aux layer ids for a verifier of ``num_layers`` layers (None: speculators'
+    default); the first of aux_layer_errors stops the job."""
+    errors = aux_layer_errors(aux_layers, num_layers)
+    if errors:
+        raise UserError(errors[0])
+    return default_aux_layers(num_layers) if aux_layers is None else [int(k) for k in aux_layers]
 
 
 @dataclasses.dataclass(frozen=True)

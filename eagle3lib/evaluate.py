@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
+from eagle3lib.config import RegenerateConfig
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.hidden_states import Capture, input_device
-from eagle3lib.regenerate import RAW_LOGITS, RegenerateConfig, hf_generate
+from eagle3lib.regenerate import RAW_LOGITS, hf_generate
 from eagle3lib.report import fmt
 
 

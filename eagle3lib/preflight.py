@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import resolve_aux_layers
+from eagle3lib.config import aux_layer_errors
 from eagle3lib.errors import UserError
 
 # The folders a run writes under results/<run>/ (rules/common.smk defines the paths).
@@ -248,10 +248,7 @@ def setting_problems(
     where = f"(verifier: {facts.source})"
     layers = facts.num_hidden_layers
     if layers is not None:
-        try:
-            resolve_aux_layers(extract["aux_layers"], layers)
-        except UserError as exc:
-            out.append(f"{exc} {where}")
+        out += [f"{e} {where}" for e in aux_layer_errors(extract["aux_layers"], layers)]
     vocab = facts.vocab_size
     if vocab is not None and train["draft_vocab_size"] > vocab:
         out.append(

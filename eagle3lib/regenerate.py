@@ -11,7 +11,6 @@ finish, so an interrupted job resumes with the missing chunks only.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import sys
 import time
@@ -19,25 +18,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from eagle3lib.config import RegenerateConfig
 from eagle3lib.data import InvalidRecord, eos_ids, normalize_conversation, read_records, until_eos
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
 
 Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
-
-
-@dataclasses.dataclass(frozen=True)
-class RegenerateConfig:
-    backend: str = "hf"
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    batch_size: int = 16
-    concurrency: int = 8
-    chunk_size: int = 64
-    max_turns: int | None = None
-    kv_cache: str = "static"
 
 
 # generate() arguments that switch off the logit processors a verifier's generation_config may

@@ -1,6 +1,7 @@
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from snakemake.utils import validate
@@ -82,6 +83,108 @@ VALIDATION = results("reports/validation.txt")
 GPU_RECORD = results("gpu/{job}.json")
 
 
+# ---- the jobs: one table, from which every list of jobs, folders and GPU needs is made -------
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job of the workflow and where its pieces are, all found from its name: its rule
+    <name> in rules/<stage>.smk, its command scripts/<name>.py, its library code
+    eagle3lib/<library>, its provenance record results/<run>/<folder>/provenance-<name>.json
+    (beside its artifacts), its log logs/<name>.log, its benchmark benchmarks/<name>.tsv and
+    its GPU record gpu/<name>.json (of a job per shard: <name>-<shard>)."""
+
+    name: str
+    stage: str
+    library: str
+    folder: str
+    # config key of the switch that runs it; None: it always runs
+    enabled_by: str | None = None
+    # config key of its GPU count (its resource gpu); None: a CPU job, its GPUs hidden
+    gpus: str | None = None
+    per_shard: bool = False
+    benchmark: bool = True
+    provenance: bool = True
+
+
+JOBS = (
+    Job("verifier", "verifier", "verifier.py", "verifier"),
+    Job(
+        "regenerate",
+        "regenerate",
+        "regenerate.py",
+        "regenerated",
+        enabled_by="regenerate.enabled",
+        gpus="regenerate.gpus",
+    ),
+    Job("prepare", "data", "data.py", "prepared"),
+    Job(
+        "extract",
+        "hidden_states",
+        "hidden_states.py",
+        "hidden_states",
+        gpus="extract.gpus_per_job",
+        per_shard=True,
+    ),
+    Job("vocab", "vocab", "vocab.py", "vocab"),
+    Job("train", "train", "train.py", "checkpoint", gpus="train.gpus"),
+    Job("check_checkpoint", "evaluate", "checkpoint.py", "reports", benchmark=False),
+    Job("evaluate", "evaluate", "evaluate.py", "reports", gpus="evaluate.gpus"),
+    Job(
+        "serve_check",
+        "evaluate",
+        "serve.py",
+        "reports",
+        enabled_by="serve_check.enabled",
+        gpus="serve_check.gpus",
+    ),
+    Job("report", "report", "report.py", "reports", benchmark=False),
+    Job(
+        "validate", "report", "report.py", "reports", benchmark=False, provenance=False
+    ),
+)
+JOB = {job.name: job for job in JOBS}
+# The GPU counts' keys within their sections: resources, not inputs of a job's results.
+GPU_COUNTS = tuple(sorted({job.gpus.split(".")[1] for job in JOBS if job.gpus}))
+
+
+def config_value(key):
+    """The value of a dotted config key (section.name)."""
+    section, name = key.split(".")
+    return config[section][name]
+
+
+def runs(name):
+    """Whether this config runs job ``name``."""
+    switch = JOB[name].enabled_by
+    return switch is None or config_value(switch)
+
+
+def running_jobs():
+    return [job for job in JOBS if runs(job.name)]
+
+
+def instances(job):
+    """The names of a job's runs: <name>, or <name>-<shard> for each shard."""
+    if job.per_shard:
+        return [f"{job.name}-{i}" for i in range(N_SHARDS)]
+    return [job.name]
+
+
+def gpu_count(name):
+    """The GPUs job ``name`` asks for (its resource gpu)."""
+    return config_value(JOB[name].gpus)
+
+
+def provenance_path(job):
+    """provenance-<job>.json beside a job's artifacts (see eagle3lib/provenance.py)."""
+    shard = "-{shard}" if job.per_shard else ""
+    return results(f"{job.folder}/provenance-{job.name}{shard}.json")
+
+
+PROVENANCE = {job.name: provenance_path(job) for job in JOBS if job.provenance}
+
+
 def forget_damaged_shards():
     """A shard truncated or replaced since it was built no longer matches its manifest: drop
     the manifest so this run rebuilds the shard (training would refuse it)."""
@@ -118,9 +221,25 @@ def print_disk_estimate(facts):
 # Rules without a GPU resource hide the GPUs from their command: a job that initialised CUDA on
 # its own would use a device another job leased (and show in that job's NVML record as a leak).
 CPU_ONLY = "CUDA_VISIBLE_DEVICES= exec "
+# The options of a job over several nodes (train.nodes): its GPUs and threads per node.
+NODE_OPTIONS = " --nodes {resources.nodes} --node-gpus {resources.node_gpus} --cpus-per-node {threads}"
 
 
-def section(name, drop=("gpus", "gpus_per_job")):
+def gpu_job(rule, nodes=False, echo=None):
+    """The start of a GPU rule's command, up to the `--` that its own command follows:
+    scripts/gpu_job.py leases the rule's GPUs (its resource gpu), records their memory in its
+    output gpu and runs the command on them. ``nodes``: the job may span several nodes;
+    ``echo``: the job writes its own log, and lines matching this pattern also go to the
+    terminal."""
+    node_options = NODE_OPTIONS if nodes else ""
+    log_options = f" --log {{log}} --echo '{echo}'" if echo else ""
+    return (
+        f"exec python {{input.gpu_job}} --gpus {{resources.gpu}}{node_options}"
+        f" --rule {rule} --record {{output.gpu}}{log_options} --"
+    )
+
+
+def section(name, drop=GPU_COUNTS):
     """A config section as canonical JSON for a script's command line; as a param it re-runs
     the rule when it changes. GPU counts are resources, not inputs of the result."""
     values = {k: v for k, v in config[name].items() if k not in drop}
@@ -206,25 +325,6 @@ def acceptance_gate_json():
     return json.dumps(gate, sort_keys=True)
 
 
-def provenance(directory, job):
-    """provenance-<job>.json beside a job's artifacts (see eagle3lib/provenance.py)."""
-    return results(f"{directory}/provenance-{job}.json")
-
-
-PROVENANCE = {
-    "verifier": provenance("verifier", "verifier"),
-    "regenerate": provenance("regenerated", "regenerate"),
-    "prepare": provenance("prepared", "prepare"),
-    "extract": provenance("hidden_states", "extract-{shard}"),
-    "vocab": provenance("vocab", "vocab"),
-    "train": provenance("checkpoint", "train"),
-    "check_checkpoint": provenance("reports", "check_checkpoint"),
-    "evaluate": provenance("reports", "evaluate"),
-    "serve_check": provenance("reports", "serve_check"),
-}
-REPORT_PROVENANCE = provenance("reports", "report")  # not an input of the report itself
-
-
 def vllm_python():
     """The vLLM environment's interpreter (relative to the working directory, like scripts)."""
     chosen = config["vllm"]["python"]
@@ -241,27 +341,9 @@ def extract_engine():
     return {"engine": section("vllm"), "python": vllm_python()}
 
 
-def serve_check_enabled():
-    return config["serve_check"]["enabled"]
-
-
-def regenerate_enabled():
-    return config["regenerate"]["enabled"]
-
-
 def train_conversations(wildcards):
     """prepare's conversations: the regenerated ones when data regeneration is on."""
-    return REGENERATED if regenerate_enabled() else data_file("train")
-
-
-def provenance_records():
-    jobs = dict(PROVENANCE)
-    extract = jobs.pop("extract")
-    if not serve_check_enabled():
-        jobs.pop("serve_check")
-    if not regenerate_enabled():
-        jobs.pop("regenerate")
-    return [*jobs.values(), *expand(extract, shard=range(N_SHARDS))]
+    return REGENERATED if runs("regenerate") else data_file("train")
 
 
 def log(name):
@@ -333,18 +415,31 @@ def shard_manifests():
 
 
 def gpu_records():
-    jobs = [f"extract-{i}" for i in range(N_SHARDS)] + ["train", "evaluate"]
-    jobs += ["serve_check"] if serve_check_enabled() else []
-    jobs += ["regenerate"] if regenerate_enabled() else []
-    return {job: gpu_record(job) for job in jobs}
+    """{job: its GPU record} of the GPU jobs this config runs."""
+    jobs = [job for job in running_jobs() if job.gpus]
+    return {name: gpu_record(name) for job in jobs for name in instances(job)}
 
 
 def benchmarks():
-    jobs = ["verifier", "prepare", "vocab", "train", "evaluate"]
-    jobs += ["serve_check"] if serve_check_enabled() else []
-    jobs += ["regenerate"] if regenerate_enabled() else []
-    jobs += [f"extract-{i}" for i in range(N_SHARDS)]
-    return {job: benchmark(job) for job in jobs}
+    """{job: its benchmark} of the jobs this config runs that have one."""
+    jobs = [job for job in running_jobs() if job.benchmark]
+    return {name: benchmark(name) for job in jobs for name in instances(job)}
+
+
+def stamped_records():
+    """{job: its provenance records} of the jobs this config runs."""
+    return {
+        job.name: expand(PROVENANCE[job.name], shard=range(N_SHARDS))
+        for job in running_jobs()
+        if job.provenance
+    }
+
+
+def provenance_records():
+    """The provenance records the report reads: every job's but the report's own."""
+    jobs = stamped_records()
+    jobs.pop("report")
+    return [record for records in jobs.values() for record in records]
 
 
 def report_inputs(wildcards):
@@ -359,8 +454,8 @@ def report_inputs(wildcards):
         "gpu": list(gpu_records().values()),
         "benchmarks": list(benchmarks().values()),
         "provenance": provenance_records(),
-        "vllm_acceptance": [VLLM_ACCEPTANCE] if serve_check_enabled() else [],
-        "regenerated": [REGENERATED_INFO] if regenerate_enabled() else [],
+        "vllm_acceptance": [VLLM_ACCEPTANCE] if runs("serve_check") else [],
+        "regenerated": [REGENERATED_INFO] if runs("regenerate") else [],
         "script": script("report.py"),
     }
 
@@ -374,7 +469,7 @@ def final_targets():
         CHECKPOINT_WEIGHTS,
         *shards(),
         *shard_manifests(),
-        *([VLLM_ACCEPTANCE] if serve_check_enabled() else []),
+        *([VLLM_ACCEPTANCE] if runs("serve_check") else []),
     ]
 
 
@@ -412,7 +507,7 @@ def stamp(job):
         ),
         "prepare": (
             {"data": json.loads(prepare_section())},
-            {**({} if regenerate_enabled() else train_data), **evals},
+            {**({} if runs("regenerate") else train_data), **evals},
         ),
         "extract": (
             {
@@ -444,18 +539,6 @@ def stamp(job):
         "report": ({"run": RUN}, {}),
     }
     return make_stamp(*parts[job])
-
-
-def stamped_records():
-    """{job: its provenance records} of the jobs this config runs."""
-    jobs = {job: [path] for job, path in PROVENANCE.items() if job != "extract"}
-    jobs["extract"] = expand(PROVENANCE["extract"], shard=range(N_SHARDS))
-    jobs["report"] = [REPORT_PROVENANCE]
-    if not serve_check_enabled():
-        jobs.pop("serve_check")
-    if not regenerate_enabled():
-        jobs.pop("regenerate")
-    return jobs
 
 
 def forget_stale_artifacts():

@@ -44,14 +44,14 @@ rule evaluate:
         "../envs/train.yaml"
     threads: 4
     resources:
-        gpu=config["evaluate"]["gpus"],
+        gpu=gpu_count("evaluate"),
     params:
         evaluate=section("evaluate"),
         stamp=stamp("evaluate"),
         eval_sets=json.dumps(eval_sets()),
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --rule evaluate --record {output.gpu} --"
-        " python {input.script} --verifier {input.verifier} --config {input.config}"
+        gpu_job("evaluate")
+        + " python {input.script} --verifier {input.verifier} --config {input.config}"
         " --manifest {input.manifest} --eval-sets {params.eval_sets:q}"
         " --evaluate {params.evaluate:q}"
         " --threads {threads} --out {output.acceptance}"
@@ -79,7 +79,7 @@ rule serve_check:
         "../envs/vllm.yaml"
     threads: 4
     resources:
-        gpu=config["serve_check"]["gpus"],
+        gpu=gpu_count("serve_check"),
     params:
         evaluate=serve_check_evaluate(),
         stamp=stamp("serve_check"),
@@ -88,8 +88,8 @@ rule serve_check:
         max_prompts=config["data"]["eval"]["max_prompts"] or 0,
         server_log=log("serve_check-server"),
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --rule serve_check --record {output.gpu} --"
-        " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
+        gpu_job("serve_check")
+        + " {params.python} {input.script} --verifier {input.verifier} --config {input.config}"
         " --prompts {input.prompts} --max-prompts {params.max_prompts}"
         " --evaluate {params.evaluate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --server-log {params.server_log}"

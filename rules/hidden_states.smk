@@ -19,15 +19,15 @@ rule extract:
         "../envs/train.yaml"
     threads: 4
     resources:
-        gpu=config["extract"]["gpus_per_job"],
+        gpu=gpu_count("extract"),
     params:
         extract=section("extract"),
         stamp=stamp("extract"),
         engine=extract_engine()["engine"],
         python=extract_engine()["python"],
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --rule extract --record {output.gpu} --"
-        " python {input.script} --verifier {input.verifier} --samples {input.samples}"
+        gpu_job("extract")
+        + " python {input.script} --verifier {input.verifier} --samples {input.samples}"
         " --info {input.info} --shard {wildcards.shard} --extract {params.extract:q}"
         " --threads {threads} --out-shard {output.shard} --out-manifest {output.manifest}"
         " --vllm {params.engine:q} --vllm-python {params.python}"

@@ -18,7 +18,7 @@ rule regenerate:
         "../envs/train.yaml"
     threads: 4
     resources:
-        gpu=config["regenerate"]["gpus"],
+        gpu=gpu_count("regenerate"),
         workers=config["regenerate"]["workers"],
     params:
         data=regenerate_data(),
@@ -29,8 +29,8 @@ rule regenerate:
         work=REGENERATE_WORK,
         server_log=log("regenerate-server"),
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --rule regenerate --record {output.gpu} --"
-        " python {input.script} --verifier {input.verifier} --train {input.train}"
+        gpu_job("regenerate")
+        + " python {input.script} --verifier {input.verifier} --train {input.train}"
         " --data {params.data:q} --regenerate {params.regenerate:q} --vllm {params.engine:q}"
         " --vllm-python {params.python} --work-dir {params.work}"
         " --server-log {params.server_log} --threads {threads} --workers {resources.workers}"

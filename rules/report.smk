@@ -10,7 +10,7 @@ rule report:
         ),
         plot_loss=report(PLOT_LOSS, caption="report/loss.rst", category="Training"),
         tables=report(REPORT_TABLES, caption="report/tables.rst", category="Summary"),
-        provenance=REPORT_PROVENANCE,
+        provenance=PROVENANCE["report"],
     log:
         log("report"),
     conda:

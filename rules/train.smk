@@ -33,10 +33,8 @@ rule train:
         stamp=stamp("train"),
         state=TRAIN_STATE,
     shell:
-        "exec python {input.gpu_job} --gpus {resources.gpu} --nodes {resources.nodes}"
-        " --node-gpus {resources.node_gpus} --cpus-per-node {threads} --rule train"
-        " --record {output.gpu} --log {log} --echo 'train: step .*' --"
-        " python {input.script} --verifier {input.verifier} --shards {input.shards}"
+        gpu_job("train", nodes=True, echo="train: step .*")
+        + " python {input.script} --verifier {input.verifier} --shards {input.shards}"
         " --manifests {input.manifests} --vocab-map {input.vocab_map}"
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
         " --nodes {resources.nodes} --node-gpus {resources.node_gpus}"

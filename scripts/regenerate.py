@@ -34,13 +34,13 @@ def main() -> None:
         hold_folders("regenerate", a.out, a.out_info, a.provenance)
 
     from eagle3lib import regenerate as rg
-    from eagle3lib.config import from_dict
+    from eagle3lib.config import RegenerateConfig, from_dict
     from eagle3lib.data import check_chat_template, render_ids
     from eagle3lib.verifier import load_tokenizer, read_record
 
     data = json.loads(a.data)
     section = json.loads(a.regenerate)
-    cfg = from_dict(rg.RegenerateConfig, section)
+    cfg = from_dict(RegenerateConfig, section)
     engine = json.loads(a.vllm)
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)

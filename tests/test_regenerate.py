@@ -8,6 +8,7 @@ import torch
 from conftest import regenerate_command
 
 from eagle3lib import regenerate as rg
+from eagle3lib.config import RegenerateConfig
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 
@@ -71,7 +72,7 @@ def test_hf_backend_ignores_logit_processors_of_the_generation_config(verifier_m
         add_generation_prompt=True,
         return_dict=False,
     )
-    cfg = rg.RegenerateConfig(max_new_tokens=20, batch_size=1)
+    cfg = RegenerateConfig(max_new_tokens=20, batch_size=1)
     plain = rg.hf_generate(verifier_model, tokenizer, cfg)([prompt])
     penalised = copy.deepcopy(verifier_model)
     penalised.generation_config.repetition_penalty = 3.0
@@ -119,7 +120,7 @@ def test_original_assistant_turns_are_dropped(tmp_path):
 @pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
 def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokenizer, kv_cache):
     """Batched, left-padded, with either KV cache: the same tokens as one prompt at a time."""
-    cfg = rg.RegenerateConfig(max_new_tokens=8, batch_size=2, kv_cache=kv_cache)
+    cfg = RegenerateConfig(max_new_tokens=8, batch_size=2, kv_cache=kv_cache)
     generate = rg.hf_generate(verifier_model, tokenizer, cfg)
     prompts = [
         tokenizer.apply_chat_template(
@@ -148,7 +149,7 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     convs = [
         {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(10)
     ]
-    cfg = rg.RegenerateConfig(chunk_size=3)
+    cfg = RegenerateConfig(chunk_size=3)
     calls = []
 
     def counting(prompts):
@@ -189,7 +190,7 @@ def test_workers_split_the_chunks_and_the_leased_gpus(tmp_path):
     convs = [
         {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(7)
     ]
-    cfg = rg.RegenerateConfig(chunk_size=2)
+    cfg = RegenerateConfig(chunk_size=2)
     calls = []
 
     def counting(prompts):

@@ -1,0 +1,57 @@
+"""The job table of rules/common.smk names every job's pieces: each must be where it says."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job_table() -> list[dict]:
+    """JOBS of rules/common.smk, each Job(...) as a dict of its arguments."""
+    text = (ROOT / "rules" / "common.smk").read_text()
+    start = text.index("JOBS = (")
+    end = text.index("\n)\n", start) + 2
+
+    def job(name, stage, library, folder, **options):
+        return {"name": name, "stage": stage, "library": library, "folder": folder, **options}
+
+    namespace = {"Job": job}
+    exec(text[start:end], namespace)  # the table is literals and Job(...) calls only
+    return list(namespace["JOBS"])
+
+
+def rules_in(path: Path) -> list[str]:
+    return re.findall(r"^rule (\w+):", path.read_text(), flags=re.MULTILINE)
+
+
+def rule_text(stage: str, name: str) -> str:
+    """The text of rule ``name`` in rules/<stage>.smk, up to the next rule."""
+    text = (ROOT / "rules" / f"{stage}.smk").read_text()
+    return text.split(f"rule {name}:", 1)[1].split("\nrule ", 1)[0]
+
+
+def test_each_job_has_its_rule_script_and_library_where_the_table_says():
+    for job in job_table():
+        name = job["name"]
+        assert name in rules_in(ROOT / "rules" / f"{job['stage']}.smk"), name
+        assert (ROOT / "scripts" / f"{name}.py").is_file(), name
+        assert (ROOT / "eagle3lib" / job["library"]).is_file(), name
+
+
+def test_every_rule_is_a_job_of_the_table_and_every_rules_file_is_included():
+    rule_files = sorted((ROOT / "rules").glob("*.smk"))
+    rules = {rule for path in rule_files for rule in rules_in(path)}
+    assert rules == {job["name"] for job in job_table()}
+    snakefile = (ROOT / "Snakefile").read_text()
+    for path in rule_files:
+        assert f'include: "rules/{path.name}"' in snakefile, path.name
+
+
+def test_the_gpu_jobs_of_the_table_and_only_they_start_with_gpu_job():
+    for job in job_table():
+        text = rule_text(job["stage"], job["name"])
+        if job.get("gpus"):
+            assert f'gpu_job("{job["name"]}"' in text, job["name"]
+            assert f'gpu_count("{job["name"]}")' in text or "train_resources()" in text
+        else:
+            assert "gpu_job(" not in text and "gpu=" not in text, job["name"]
