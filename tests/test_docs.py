@@ -10,13 +10,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "BENCHMARKS.md", "profiles/README.md", *sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
-)]
+DOCS = [
+    "README.md",
+    "BENCHMARKS.md",
+    "profiles/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+]
 # Where the forbidden references are checked for now: the docs and the non-code files beside
 # them (eagle3lib/, rules/, scripts/ and tests/ still hold some; to be extended).
-CHECKED = ("README.md", "BENCHMARKS.md", "Makefile", "docs/", "bench/", "configs/", "profiles/",
-           "envs/")
+CHECKED = (
+    "README.md",
+    "BENCHMARKS.md",
+    "Makefile",
+    "docs/",
+    "bench/",
+    "configs/",
+    "profiles/",
+    "envs/",
+)
 FORBIDDEN = re.compile(
     r"\.\./shared|DESIGN\.md|\breference/|\b(?:issue|pull request|PR)\s+#?\d+", re.IGNORECASE
 )
@@ -28,9 +39,19 @@ def test_dag_is_current(tmp_path):
     venv = Path(sys.prefix)
     out = tmp_path / "dag.mmd"
     run = subprocess.run(
-        ["make", "--no-print-directory", "-o", f"{venv}/.installed", "dag",
-         f"VENV={venv}", f"DAG_FILE={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            f"{venv}/.installed",
+            "dag",
+            f"VENV={venv}",
+            f"DAG_FILE={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert out.read_text() == (ROOT / "docs/dag.mmd").read_text(), (
@@ -38,17 +59,29 @@ def test_dag_is_current(tmp_path):
     )
 
 
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_relative_links_resolve(doc):
     text = (ROOT / doc).read_text()
     broken = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL or an anchor in the same file
-        path = target.split("#", 1)[0]
-        if not (ROOT / doc).parent.joinpath(path).exists():
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        file = (ROOT / doc).parent.joinpath(path) if path else ROOT / doc
+        if (
+            not file.exists()
+            or anchor
+            and file.suffix == ".md"
+            and anchor not in anchors(file.read_text())
+        ):
             broken.append(target)
-    assert not broken, f"{doc}: links to missing files: {broken}"
+    assert not broken, f"{doc}: links to missing files or headings: {broken}"
 
 
 def test_no_references_outside_the_repository():
