@@ -70,8 +70,44 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The rule graph of config.yaml with regeneration on (so every rule shows), as mermaid, into
+# docs/dag.mmd (tests/test_docs.py checks it is current). Run name "dag", so planning touches
+# no results of the demo. DAG_PY renames snakemake's node ids to rule names and orders nodes
+# and edges (topological, ties by name), so the file does not depend on hash order.
+DAG_FILE ?= docs/dag.mmd
+define DAG_PY
+import re, sys
+names, edges = {}, set()
+for line in sys.stdin:
+    m = re.fullmatch(r"\s*(id\d+)\[(\w+)\]\s*", line)
+    if m:
+        names[m[1]] = m[2]
+    m = re.fullmatch(r"\s*(id\d+) --> (id\d+)\s*", line)
+    if m:
+        edges.add((m[1], m[2]))
+if not names:
+    sys.exit("make dag: snakemake printed no rule graph")
+edges = {(names[a], names[b]) for a, b in edges}
+order, left = [], set(names.values())
+while left:
+    ready = sorted(n for n in left if not any(a in left and b == n for a, b in edges))
+    order.append(ready[0])
+    left.remove(ready[0])
+pos = {n: i for i, n in enumerate(order)}
+print("---\ntitle: rule graph of config.yaml with regenerate.enabled (make dag)\n---")
+print("flowchart TB")
+print("".join(f"\t{n}[{n}]\n" for n in order), end="")
+print("".join(f"\t{a} --> {b}\n" for a, b in sorted(edges, key=lambda e: (pos[e[0]], pos[e[1]]))), end="")
+endef
+export DAG_PY
+
 dag: $(STAMP)
-	$(BIN)/snakemake --rulegraph mermaid-js
+	@overlay=$$(mktemp) && printf 'run: dag\nregenerate: {enabled: true}\n' > $$overlay && \
+	$(BIN)/snakemake --rulegraph mermaid-js --configfile config.yaml $$overlay --workflow-profile none \
+		> $$overlay.graph; rc=$$?; \
+	[ $$rc -eq 0 ] && $(BIN)/python -c "$$DAG_PY" < $$overlay.graph > $(DAG_FILE).tmp; rc=$$?; \
+	rm -f $$overlay $$overlay.graph; [ $$rc -eq 0 ] && mv $(DAG_FILE).tmp $(DAG_FILE) || { rm -f $(DAG_FILE).tmp; exit 1; }
+	@echo "wrote $(DAG_FILE)"
 
 clean:
 	rm -rf results .snakemake

@@ -1,4 +1,4 @@
-"""Quality parity (issue #4 point 6): this project's train stage vs speculators' own CLI,
+"""Wrapper fidelity (not a quality comparison): this project's train stage vs speculators' own CLI,
 trained from the identical hidden states and vocab map, scored by the same offline evaluator.
 
     # the finished demo run (about 40 minutes on 2 CPU cores: 4 trainings, 4 evaluations)

@@ -44,7 +44,7 @@ Writes bench_train.json (bench_train_ddp2.json) to --out, and after every run
 bench_train.partial-<rank>.json (what a call cut short keeps). Each run's wall time is in the
 table.
 
-Next GPU measurements (issue 16; durations are estimates from earlier calls, not measured:
+Next GPU measurements (durations are estimates from earlier calls, not measured:
 each run builds the draft and, first in a process, compiles it; runs with 12 spawned workers
 start more slowly):
 
