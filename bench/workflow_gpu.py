@@ -232,6 +232,13 @@ def load_seconds(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def extract_window(extract: list[dict]) -> float | None:
+    """Seconds from the first extract job's GPU lease to the last one's release."""
+    if extract and all(j["start"] and j["end"] for j in extract):
+        return max(j["end"] for j in extract) - min(j["start"] for j in extract)
+    return None
+
+
 def collect(run_dir: Path) -> dict:
     """Per-job figures from the benchmark files, job logs, GPU records and summaries."""
     seconds = benchmark_seconds(run_dir)
@@ -258,6 +265,12 @@ def collect(run_dir: Path) -> dict:
                 devices=gpu["devices"],
             )
             extract.append(job)
+    if not (run_dir / "train" / "summary.json").exists():  # --until extract
+        return {
+            "jobs": jobs,
+            "extract_tokens": sum(j["tokens"] for j in extract),
+            "extract_window_seconds": extract_window(extract),
+        }
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     train_tokens = summary["train_tokens_per_epoch"] * summary["epochs"]
     train = jobs["train"]
@@ -278,13 +291,10 @@ def collect(run_dir: Path) -> dict:
     train["steady_tokens_per_s"] = statistics.median(rates) if rates else None
     acceptance = json.loads((run_dir / "reports" / "acceptance.json").read_text())
     jobs["evaluate"]["decode_seconds"] = acceptance.get("seconds")
-    window = None
-    if extract and all(j["start"] and j["end"] for j in extract):
-        window = max(j["end"] for j in extract) - min(j["start"] for j in extract)
     return {
         "jobs": jobs,
         "extract_tokens": sum(j["tokens"] for j in extract),
-        "extract_window_seconds": window,
+        "extract_window_seconds": extract_window(extract),
         "disk_bytes": {
             d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
             for d in run_dir.iterdir()
@@ -312,7 +322,23 @@ def main() -> None:
     p.add_argument("--verifier-dir", type=Path, default=None)
     p.add_argument("--work", type=Path, default=Path("/tmp/workflow_gpu"))
     p.add_argument("--skip-bench", action="store_true", help="no isolated extraction run")
+    p.add_argument(
+        "--bench-json",
+        type=Path,
+        default=None,
+        help="the isolated extraction's figure from an earlier call on this machine, not re-run",
+    )
     p.add_argument("--load-probe", action="store_true", help="time verifier loads alone")
+    p.add_argument(
+        "--until",
+        default=None,
+        help="run the workflow up to this rule only (snakemake --until), e.g. extract",
+    )
+    p.add_argument(
+        "--reuse-verifier",
+        action="store_true",
+        help="keep a verifier already built in --verifier-dir (an earlier call on this machine)",
+    )
     a = p.parse_args()
     a.shards = a.shards or 2 * max(a.gpus, 1)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -327,8 +353,12 @@ def main() -> None:
     result: dict = {"machine": info}
 
     verifier = a.verifier_dir or a.work / "verifier"
-    log(f"building the verifier in {verifier}")
-    result["verifier"] = build_verifier(verifier, shape, a.xfer / "tokenizer")
+    if a.reuse_verifier and (verifier / "config.json").exists():
+        log(f"reusing the verifier in {verifier}")
+        result["verifier"] = {"reused": str(verifier)}
+    else:
+        log(f"building the verifier in {verifier}")
+        result["verifier"] = build_verifier(verifier, shape, a.xfer / "tokenizer")
     log(f"verifier: {result['verifier']}")
     free = shutil.disk_usage(ROOT).free
     if a.tokens is None:  # as much as the disk holds beside training state (12 GB kept free)
@@ -341,7 +371,10 @@ def main() -> None:
     if a.load_probe:
         result["load_probe"] = probe_load(verifier)
 
-    if not a.skip_bench:
+    if a.bench_json:
+        result["bench_extract"] = json.loads(a.bench_json.read_text())
+        result["bench_extract_from"] = str(a.bench_json)
+    elif not a.skip_bench:
         out = a.work / "bench_extract.json"
         cmd = [sys.executable, str(ROOT / "bench" / "extract.py"), "--tokens", str(a.bench_tokens)]
         cmd += ["--json", str(out), "--out", str(a.work / "bench"), "--storage", a.storage]
@@ -359,6 +392,7 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/workstation"]
     cmd += ["--configfile", str(config), "--resources", f"gpu={a.gpus}", "--cores", "all"]
+    cmd += ["--until", a.until] if a.until else []
     log("workflow: snakemake " + " ".join(cmd[3:]))
     # Jobs run `python`: this interpreter (its virtualenv too), whatever its name.
     (a.work / "bin").mkdir(exist_ok=True)
@@ -406,18 +440,26 @@ def report(result: dict, a) -> None:
     ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs
     extract = [j for n, j in jobs.items() if n.startswith("extract-")]
     job_rate = statistics.median(j["tokens_per_s"] for j in extract)
+    # --until: the wall time is to that rule, not the whole DAG
+    wall = "wall_seconds" if not a.until else f"until_{a.until}.wall_seconds"
     lines = {
-        f"workflow.{tag}.wall_seconds": round(result["wall_seconds"], 1),
+        f"workflow.{tag}.{wall}": round(result["wall_seconds"], 1),
+        f"workflow.{tag}.{ex}.shard_tokens": round(statistics.median(j["tokens"] for j in extract)),
         f"workflow.{tag}.{ex}.job_tokens_per_s": round(job_rate),
         f"workflow.{tag}.{ex}.job_tokens_per_s_min": round(min(j["tokens_per_s"] for j in extract)),
         f"workflow.{tag}.{ex}.model_load_seconds": statistics.median(
             j["model_load_seconds"] or 0 for j in extract
         ),
-        f"workflow.{tag}.train.job_tokens_per_s": round(jobs["train"]["tokens_per_s"]),
-        f"workflow.{tag}.train.steady_tokens_per_s": round(
-            jobs["train"]["steady_tokens_per_s"] or 0
+        # what a job spends beside extracting: start-up, imports, load, manifest, Snakemake
+        f"workflow.{tag}.{ex}.job_overhead_seconds": round(
+            statistics.median(j["wall_seconds"] - j["extraction_seconds"] for j in extract), 1
         ),
     }
+    if "tokens_per_s" in jobs.get("train", {}):
+        lines[f"workflow.{tag}.train.job_tokens_per_s"] = round(jobs["train"]["tokens_per_s"])
+        lines[f"workflow.{tag}.train.steady_tokens_per_s"] = round(
+            jobs["train"]["steady_tokens_per_s"] or 0
+        )
     bench = result.get("bench_extract")
     if bench:
         lines[f"workflow.{tag}.{ex}.bench_tokens_per_s"] = bench["tokens_per_s"]
