@@ -12,7 +12,6 @@ import re
 import struct
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -404,78 +403,20 @@ def model_auto_class(config, trust_remote_code: bool):
     )
 
 
-def model_safetensors(folder: Path) -> list[Path] | None:
-    """The safetensors files from_pretrained reads from a local model folder: those its index
-    names, else ``model.safetensors``; None when it has neither (a folder may hold other
-    safetensors files, such as Mistral's consolidated.safetensors, that are not the model)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / name for name in sorted(set(read_json(index)["weight_map"].values()))]
-    single = folder / "model.safetensors"
-    return [single] if single.is_file() else None
-
-
-def preload_weights(record: dict[str, Any], device_map) -> Future | None:
-    """Start reading a local verifier's safetensors onto its one device in a thread, so that the
-    read overlaps importing transformers (both take seconds in every GPU job). None where
-    from_pretrained reads the files itself: hub ids, custom code, several devices."""
-    single_device = device_map is None or device_map == {"": 0}
-    if record["kind"] == "hub" or record["trust_remote_code"] or not single_device:
-        return None
-    files = model_safetensors(Path(record["load_path"]))
-    if files is None:
-        return None
-    device = "cpu" if device_map is None else "cuda:0"
-
-    def read() -> dict:
-        from safetensors.torch import load_file
-
-        state: dict = {}
-        for f in files:
-            state.update(load_file(f, device=device))
-        return state
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="verifier-weights")
-    future = pool.submit(read)
-    pool.shutdown(wait=False)
-    return future
-
-
 def load_model(record: dict[str, Any], dtype, device_map=None):
     """The verifier with its LM head (causal LM or multimodal wrapper) in eval mode. The job's
-    log gets one line with the time it took (``verifier: loaded ... in N s``).
-
-    A local safetensors verifier on one device is read in a thread while transformers is
-    imported (preload_weights) and built from those tensors; where that leaves a parameter
-    unloaded (a checkpoint whose keys transformers renames on the way), it is loaded again the
-    ordinary way, and the log says so."""
+    log gets one line with the time it took (``verifier: loaded ... in N s``)."""
     t0 = time.perf_counter()
-    preload = preload_weights(record, device_map)
     config = load_config(record)
     auto = model_auto_class(config, record["trust_remote_code"])
-    kwargs = dict(
+    model = auto.from_pretrained(
+        record["load_path"],
         config=config,
         dtype=dtype,
         device_map=device_map,
         trust_remote_code=record["trust_remote_code"],
         use_safetensors=not record["allow_pickle"],
     )
-    model = None
-    if preload is not None:
-        model_class = auto._model_mapping[type(config)]  # noqa: SLF001
-        model, info = model_class.from_pretrained(
-            None, state_dict=preload.result(), output_loading_info=True, **kwargs
-        )
-        if info["missing_keys"]:
-            print(
-                f"verifier: {len(info['missing_keys'])} parameter(s) not in the preloaded "
-                "weights under their names; loading from the files instead",
-                file=sys.stderr,
-                flush=True,
-            )
-            model = None
-    if model is None:
-        model = auto.from_pretrained(record["load_path"], **kwargs)
     model.eval()
     print(
         f"verifier: loaded {record['name']} in {time.perf_counter() - t0:.1f} s",

@@ -134,9 +134,6 @@ def test_the_verifier_is_loaded_from_safetensors_without_remote_code(verifier_re
         return from_pretrained
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", capture("model"))
-    # a local safetensors verifier on one device is built from weights read ahead
-    # (verifier.preload_weights, which reads the index's safetensors files only)
-    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", capture("model"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", capture("tokenizer"))
     for load in (verifier.load_model, verifier.load_tokenizer):
         with pytest.raises(StopIteration):
