@@ -265,12 +265,13 @@ def collect(run_dir: Path) -> dict:
                 devices=gpu["devices"],
             )
             extract.append(job)
+    figures = {
+        "jobs": jobs,
+        "extract_tokens": sum(j["tokens"] for j in extract),
+        "extract_window_seconds": extract_window(extract),
+    }
     if not (run_dir / "train" / "summary.json").exists():  # --until extract
-        return {
-            "jobs": jobs,
-            "extract_tokens": sum(j["tokens"] for j in extract),
-            "extract_window_seconds": extract_window(extract),
-        }
+        return figures
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     train_tokens = summary["train_tokens_per_epoch"] * summary["epochs"]
     train = jobs["train"]
@@ -292,9 +293,7 @@ def collect(run_dir: Path) -> dict:
     acceptance = json.loads((run_dir / "reports" / "acceptance.json").read_text())
     jobs["evaluate"]["decode_seconds"] = acceptance.get("seconds")
     return {
-        "jobs": jobs,
-        "extract_tokens": sum(j["tokens"] for j in extract),
-        "extract_window_seconds": extract_window(extract),
+        **figures,
         "disk_bytes": {
             d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
             for d in run_dir.iterdir()
