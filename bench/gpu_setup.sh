@@ -81,7 +81,7 @@ for _, record in read_records(resolve_package_path(path, "sharegpt"), allow_trun
         break
 (out / "sharegpt.json.gz").write_bytes(gzip.compress(json.dumps(records).encode(), mtime=0))
 EOF
-  (cd "$XFER" && find . -type f | sort | xargs sha256sum >SHA256SUMS)
+  (cd "$XFER" && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum >SHA256SUMS)
   du -sh "$XFER"
   ;;
 install)
