@@ -1,4 +1,6 @@
-"""reports/summary.json (the documented result), summary.md (for people) and plots."""
+"""reports/summary.json (the documented result): the stages' records gathered, and the
+problems that make a build invalid. summary.md and tables.html are in report_text, the plots
+in report_plots."""
 
 from __future__ import annotations
 
@@ -116,6 +118,10 @@ def provenance_table(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# The folders of results/<run>/ whose size the summary gives (disk_bytes), written out: the
+# job table that names each job's folder (JOBS in rules/common.smk) is Snakemake code, which
+# Python cannot import, and its folders are not this list anyway: train/ (train's state and
+# summary) is no job's folder, and regenerate's regenerated/ is not counted here.
 STAGE_DIRS = ("verifier", "prepared", "hidden_states", "vocab", "train", "checkpoint", "reports")
 
 
@@ -261,6 +267,18 @@ def data_summary(prepare: dict[str, Any], acceptance: dict[str, Any]) -> dict[st
     return {**prepare, "eval_overlap": overlap}
 
 
+def hidden_states_summary(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' totals from their manifests (the layers and dtype are the first shard's)."""
+    return {
+        "shards": len(manifests),
+        "tokens": sum(m["tokens"] for m in manifests),
+        "bytes": sum(m["file"]["bytes"] for m in manifests),
+        "layer_ids": manifests[0]["layer_ids"],
+        "state_dtype": manifests[0].get("state_dtype", "bfloat16"),
+        "rejected_samples": sum(len(m["rejected"]) for m in manifests),
+    }
+
+
 def summarize(
     run: str,
     verifier: dict[str, Any],
@@ -298,14 +316,7 @@ def summarize(
             if k in checkpoint
         },
         "data": data_summary(prepare, acceptance),
-        "hidden_states": {
-            "shards": len(manifests),
-            "tokens": sum(m["tokens"] for m in manifests),
-            "bytes": sum(m["file"]["bytes"] for m in manifests),
-            "layer_ids": manifests[0]["layer_ids"],
-            "state_dtype": manifests[0].get("state_dtype", "bfloat16"),
-            "rejected_samples": sum(len(m["rejected"]) for m in manifests),
-        },
+        "hidden_states": hidden_states_summary(manifests),
         "vocab": vocab,
         "training": training,
         "seconds_per_job": benchmark_seconds(benchmarks),
@@ -318,263 +329,3 @@ def summarize(
     summary["problems"] = problems_of(summary)
     summary["valid"] = not summary["problems"]
     return summary
-
-
-def trust_note(verifier: dict[str, Any]) -> str:
-    """'' unless the verifier was loaded with trust_remote_code; then whether its code ran."""
-    if not verifier.get("trust_remote_code"):
-        return ""
-    ran = "its own code ran" if verifier.get("custom_code") else "it ships no custom code"
-    return f"; `verifier.trust_remote_code: true` ({ran})"
-
-
-def text_check(summary: dict[str, Any]) -> str:
-    if summary["text_matches_verifier"] is None:
-        agreement = summary["acceptance"].get("argmax_agreement")
-        return f"not checked (replay; verifier argmax agreement {fmt(agreement, 4)})"
-    return str(summary["text_matches_verifier"])
-
-
-def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
-    """[eval set, k, acceptance length, per-position acceptance, prompts, steps] per result."""
-    return [
-        [
-            r["eval_set"],
-            r["k"],
-            fmt(r["acceptance_length"], 4),
-            ", ".join(f"{p:.3f}" for p in r["per_position_acceptance"]),
-            r["prompts"],
-            r["steps"],
-        ]
-        for r in summary["acceptance"].get("results", [])
-    ]
-
-
-ACCEPTANCE_HEADERS = ["eval set", "k", "acceptance length", "per position", "prompts", "steps"]
-
-
-def overlap_row(data: dict[str, Any]) -> list[str]:
-    """The report's row of training conversations dropped for overlap with each eval set."""
-    overlap = data.get("eval_overlap")
-    if not overlap:
-        return []
-    counts = ", ".join(f"{n} {c}" for n, c in overlap["dropped_per_eval_set"].items())
-    return [
-        f"| training conversations dropped as holding an eval prompt "
-        f"(>= {overlap['min_containment']:.0%} of its word {overlap['ngram']}-grams) | {counts} |"
-    ]
-
-
-def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
-    acc = summary["acceptance"]
-    per_pos = ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"])
-    lines = [
-        f"# EAGLE-3 draft build `{summary['run']}`",
-        "",
-        f"Verifier **{summary['verifier']['name']}** ({summary['verifier']['num_hidden_layers']} layers, "
-        f"hidden {summary['verifier']['hidden_size']}){trust_note(summary['verifier'])}.",
-        "",
-        "| result | value |",
-        "|---|---|",
-        f"| valid | {'yes' if summary['valid'] else 'NO'} |",
-        f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
-        f"| per-position acceptance | {per_pos} |",
-        f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
-        f"| text equals verifier-only greedy | {text_check(summary)} |",
-        f"| checkpoint valid | {summary['checkpoint_valid']} |",
-        f"| training samples kept / dropped | {summary['data']['samples']} / {sum(summary['data']['dropped'].values())} |",
-        *overlap_row(summary["data"]),
-        f"| hidden-state tokens / bytes | {summary['hidden_states']['tokens']} / {summary['hidden_states']['bytes']:,} |",
-        f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",
-        "",
-    ]
-    rows = acceptance_rows(summary)
-    if len(rows) > 1:
-        lines += [
-            f"## Offline acceptance ({summary['acceptance'].get('method', 'decode')})",
-            "",
-            "| " + " | ".join(ACCEPTANCE_HEADERS) + " |",
-            "|" + "---|" * len(ACCEPTANCE_HEADERS),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
-            "",
-        ]
-    if summary.get("vllm"):
-        v = summary["vllm"]
-        diff = v.get("offline_vs_vllm_relative_difference")
-        lines += [
-            "## vLLM",
-            "",
-            f"Acceptance length in vLLM {v['vllm_version']}: {fmt(v['acceptance_length'])} "
-            f"(per position {', '.join(f'{p:.3f}' for p in v['per_position_acceptance'])}); "
-            f"offline evaluator vs vLLM: {diff:+.1%}, per position at most "
-            f"{v['offline_vs_vllm_max_position_difference']:.3f} apart (allowed: "
-            f"{VLLM_MAX_RELATIVE_DIFFERENCE:.0%} and {VLLM_MAX_POSITION_DIFFERENCE})."
-            if diff is not None
-            else "",
-            "",
-            f"Serve it from `results/{summary['run']}/`: `{v['serve_command']}`",
-            "",
-        ]
-    if summary["problems"]:
-        lines += ["## Problems", ""] + [f"- {p}" for p in summary["problems"]] + [""]
-    lines += ["## GPU memory (NVML, before/after each GPU-capable job)", ""]
-    for job, entry in summary["gpu_memory"].items():
-        where = f"`{job}` on {entry['host']}" if entry.get("host") else f"`{job}`"
-        if not entry["available"]:
-            lines.append(f"- {where}: {entry['reason']}")
-        else:
-            devs = "; ".join(
-                f"GPU {d['index']} {d['before_mib']:.0f} → {d['after_mib']:.0f} MiB"
-                for d in entry["devices"]
-            )
-            lines.append(f"- {where}: {devs or 'no GPU leased'}")
-    lines += ["", "## Time per job (s)", ""]
-    lines += [f"- `{job}`: {s}" for job, s in summary["seconds_per_job"].items()]
-    lines += ["", "## Disk per stage", ""]
-    lines += [f"- `{stage}`: {size / 1e6:,.1f} MB" for stage, size in summary["disk_bytes"].items()]
-    lines += [
-        "",
-        "## Provenance",
-        "",
-        "| job | config sha256 | commit | host | GPUs |",
-        "|---|---|---|---|---|",
-    ]
-    for job, p in summary["provenance"].items():
-        commit = (p["git"] or {}).get("commit", "?")[:10] + (
-            " (dirty)" if (p["git"] or {}).get("dirty") else ""
-        )
-        lines.append(
-            f"| `{job}` | `{p['config_sha256'][:12]}` | `{commit}` | {p['host']} | {', '.join(p['gpus']) or 'none'} |"
-        )
-    for title, name in plots.items():
-        lines += ["", f"## {title}", "", f"![{title}]({name})"]
-    return "\n".join(lines) + "\n"
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    from html import escape
-
-    head = "".join(f"<th>{escape(str(h))}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def html_tables(summary: dict[str, Any]) -> str:
-    """The report's tables as one HTML page (embedded in `snakemake --report`)."""
-    acc = summary["acceptance"]
-    gpu_rows = []
-    for job, e in summary["gpu_memory"].items():
-        if not e["available"]:
-            gpu_rows.append(
-                [job, e.get("host") or "-", "-", e["reason"], "-", ", ".join(e["leaks"]) or "none"]
-            )
-        for d in e.get("devices", []):
-            gpu_rows.append(
-                [
-                    job,
-                    e.get("host") or "-",
-                    d["index"],
-                    d["name"],
-                    f"{d['before_mib']:.0f} -> {d['after_mib']:.0f}",
-                    ", ".join(e["leaks"]) or "none",
-                ]
-            )
-    sections = [
-        (
-            "Acceptance",
-            _table(
-                [
-                    "k",
-                    "acceptance length",
-                    "per-position acceptance",
-                    "prompts",
-                    "steps",
-                    "text equals verifier",
-                ],
-                [
-                    [
-                        summary["k"],
-                        f"{summary['acceptance_length']:.4f}",
-                        ", ".join(f"{p:.3f}" for p in summary["per_position_acceptance"]),
-                        acc["prompts"],
-                        acc["steps"],
-                        text_check(summary),
-                    ]
-                ],
-            ),
-        ),
-        (
-            "Offline acceptance per eval set and k",
-            _table(ACCEPTANCE_HEADERS, acceptance_rows(summary)),
-        ),
-        (
-            "Seconds per job",
-            _table(["job", "seconds"], [[j, s] for j, s in summary["seconds_per_job"].items()]),
-        ),
-        (
-            "Disk per stage",
-            _table(
-                ["stage", "MB"], [[s, f"{b / 1e6:,.1f}"] for s, b in summary["disk_bytes"].items()]
-            ),
-        ),
-        (
-            "GPU memory (NVML, MiB before -> after)",
-            _table(["job", "host", "GPU", "device / reason", "used MiB", "leaks"], gpu_rows),
-        ),
-        (
-            "Provenance",
-            _table(
-                ["job", "config sha256", "commit", "host", "GPUs"],
-                [
-                    [
-                        j,
-                        p["config_sha256"][:16],
-                        ((p["git"] or {}).get("commit") or "?")[:12],
-                        p["host"],
-                        ", ".join(p["gpus"]) or "none",
-                    ]
-                    for j, p in summary["provenance"].items()
-                ],
-            ),
-        ),
-        ("Problems", _table(["problem"], [[p] for p in summary["problems"]] or [["none"]])),
-    ]
-    style = "table{border-collapse:collapse;margin:0 0 1.5em}td,th{border:1px solid #bbb;padding:3px 8px;font:13px sans-serif}"
-    body = "".join(f"<h3>{title}</h3>{table}" for title, table in sections)
-    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>\n"
-
-
-def plot_acceptance(per_position: list[float], k: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 3))
-    ax.bar([str(i + 1) for i in range(k)], per_position, color="#3b7dd8")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1)
-    ax.set_title("Per-position acceptance")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
-
-
-def plot_loss(curves: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(curves["step"], curves["train_loss"], label="train", lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("Training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)

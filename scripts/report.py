@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
-from eagle3lib import report
+from eagle3lib import report, report_plots, report_text
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, read_json, write_json
 from eagle3lib.lifetime import hold_folders
@@ -68,17 +68,17 @@ def main() -> None:
         min_acceptance_length=json.loads(a.min_acceptance_length),
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
-        report.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)
+        report_plots.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)
     with atomic_path(a.out_plot_loss) as tmp:
-        report.plot_loss(curves, tmp)
+        report_plots.plot_loss(curves, tmp)
     plots = {
         "Per-position acceptance": a.out_plot_acceptance.name,
         "Training loss": a.out_plot_loss.name,
     }
     with atomic_path(a.out_markdown) as tmp:
-        tmp.write_text(report.markdown(summary, plots))
+        tmp.write_text(report_text.markdown(summary, plots))
     with atomic_path(a.out_tables) as tmp:
-        tmp.write_text(report.html_tables(summary))
+        tmp.write_text(report_text.html_tables(summary))
     write_json(a.out, summary)
     if a.out_provenance:
         from eagle3lib import provenance

@@ -20,7 +20,7 @@ from eagle3lib import (
     data,
     evaluate,
     hidden_states,
-    report,
+    report_text,
     shards,
     train,
     verifier,
@@ -60,7 +60,7 @@ def test_custom_code_verifier_needs_trust_remote_code(tmp_path):
     assert "\n" not in str(err.value) and "tiny_kimi_k25" in str(err.value)
     record = verifier.materialize(str(folder), None, tmp_path / "hf", trust_remote_code=True)
     assert record["trust_remote_code"] is True and record["custom_code"] is True  # verifier.json
-    assert "`verifier.trust_remote_code: true` (its own code ran)" in report.trust_note(record)
+    assert "`verifier.trust_remote_code: true` (its own code ran)" in report_text.trust_note(record)
     # Once this process has registered the trusted class, an untrusted run is still refused.
     verifier.load_config(record)
     with pytest.raises(UserError, match=r"verifier\.trust_remote_code"):

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from eagle3lib import report
+from eagle3lib import report, report_text
 from eagle3lib.serve import compute_dtype
 
 
@@ -138,7 +138,7 @@ def test_eval_overlap_is_published_per_eval_set_name():
         "dropped_per_eval_set": {"mtbench": 0, "humaneval": 1},
     }
     assert prepare["eval_overlap"]["dropped_per_eval_file"] == [0, 1]  # not changed in place
-    [row] = report.overlap_row(data)
+    [row] = report_text.overlap_row(data)
     assert row.endswith("(>= 70% of its word 8-grams) | mtbench 0, humaneval 1 |")
     broken = copy.deepcopy(prepare)
     broken["eval_overlap"]["dropped_per_eval_file"] = [0, 1, 2]

@@ -164,7 +164,7 @@ def test_trust_remote_code_and_pickle_are_off_by_default(verifier_record):
 
 
 def report_summary(verifier: dict) -> tuple[dict, str]:
-    from eagle3lib import report
+    from eagle3lib import report, report_text
 
     acceptance = {
         "k": 3,
@@ -187,7 +187,7 @@ def report_summary(verifier: dict) -> tuple[dict, str]:
         {},
         {},
     )
-    return summary, report.markdown(summary, {})
+    return summary, report_text.markdown(summary, {})
 
 
 def test_the_report_says_when_trust_remote_code_was_on(verifier_record):

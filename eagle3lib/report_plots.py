@@ -1,0 +1,40 @@
+"""reports/acceptance.png and loss.png (matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_acceptance(per_position: list[float], k: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    ax.bar([str(i + 1) for i in range(k)], per_position, color="#3b7dd8")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
+
+
+def plot_loss(curves: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(curves["step"], curves["train_loss"], label="train", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, format="png")
+    plt.close(fig)
