@@ -542,6 +542,7 @@ def evaluate_child(spec_path: str) -> None:
 
     from eagle3lib import checkpoint, data, evaluate, verifier
     from eagle3lib.config import EvaluateConfig, from_dict
+    from eagle3lib.conversations import read_eval_prompts
     from eagle3lib.hidden_states import resolve_dtype
 
     spec = read_json(Path(spec_path))
@@ -553,7 +554,7 @@ def evaluate_child(spec_path: str) -> None:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(cfg.dtype, device, "evaluate.dtype")
     tokenizer = verifier.load_tokenizer(record)
-    prompts = data.read_eval_prompts(Path(spec["prompts"]), spec["max_prompts"] or None)
+    prompts = read_eval_prompts(Path(spec["prompts"]), spec["max_prompts"] or None)
     for prompt in prompts:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())

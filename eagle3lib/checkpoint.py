@@ -125,30 +125,45 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     Returns a report with ``valid`` and a list of ``problems``; never raises for a bad
     checkpoint (a missing or unreadable file is a problem too).
     """
-    from safetensors import safe_open
-    from speculators.models.eagle3 import Eagle3DraftModel
-
     from eagle3lib import verifier
 
     verifier.load_config(record)  # a custom-code verifier's config class, for speculators
     problems: list[str] = []
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "problems": problems}
-    config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"
     try:
-        raw = json.loads(config_path.read_text())
+        raw = json.loads((checkpoint / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         problems.append(f"config.json unreadable: {exc}")
         report["valid"] = False
         return report
+    problems += _config_problems(raw, record, expected_aux)
+    report.update(_config_facts(raw))
+    try:
+        shapes, dtypes, d2t, t2d = _read_weights(checkpoint / "model.safetensors")
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
+        problems.append(f"model.safetensors unreadable: {str(exc).splitlines()[0]}")
+        report["valid"] = False
+        return report
+    report["tensors"] = {k: {"shape": shapes[k], "dtype": dtypes[k]} for k in sorted(shapes)}
+    expected, build_problems = _expected_shapes(checkpoint)
+    problems += build_problems
+    problems += _tensor_problems(shapes, dtypes, expected)
+    problems += _vocab_map_problems(d2t, t2d, raw.get("draft_vocab_size"), record["vocab_size"])
+    if not problems:
+        problems += _reload_forward(checkpoint, record, expected_aux, report)
+    report["valid"] = not problems
+    return report
 
-    for field in REQUIRED_FIELDS:
-        if field not in raw:
-            problems.append(f"config.json lacks {field}")
+
+def _config_problems(
+    raw: dict[str, Any], record: dict[str, Any], expected_aux: list[int]
+) -> list[str]:
+    """What in config.json does not fit speculators, vLLM or this verifier."""
+    problems = [f"config.json lacks {field}" for field in REQUIRED_FIELDS if field not in raw]
     if raw.get("speculators_model_type") != "eagle3":
         problems.append(f"speculators_model_type is {raw.get('speculators_model_type')!r}")
     spec = raw.get("speculators_config", {})
-    verifier_ref = spec.get("verifier", {}).get("name_or_path")
-    if not verifier_ref:
+    if not spec.get("verifier", {}).get("name_or_path"):
         problems.append("speculators_config.verifier.name_or_path is empty (vLLM requires it)")
     problems += [f"absolute path in config: {p}" for p in absolute_paths(raw)]
     if raw.get("eagle_aux_hidden_state_layer_ids") != expected_aux:
@@ -161,24 +176,38 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
         problems.append(f"hidden_size {tl.get('hidden_size')} != verifier {record['hidden_size']}")
     if tl.get("vocab_size") != record["vocab_size"]:
         problems.append(f"vocab_size {tl.get('vocab_size')} != verifier {record['vocab_size']}")
-    methods = spec.get("proposal_methods") or [{}]
-    report["speculative_tokens"] = methods[0].get("speculative_tokens")
-    report["draft_vocab_size"] = raw.get("draft_vocab_size")
-    report["aux_layer_ids"] = raw.get("eagle_aux_hidden_state_layer_ids")
-    report["verifier"] = verifier_ref
+    return problems
 
-    try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            tensors = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
-            shapes = {k: list(s.get_shape()) for k, s in tensors.items()}
-            dtypes = {k: s.get_dtype() for k, s in tensors.items()}
-            d2t = f.get_tensor("d2t") if "d2t" in tensors else None
-            t2d = f.get_tensor("t2d") if "t2d" in tensors else None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
-        problems.append(f"model.safetensors unreadable: {str(exc).splitlines()[0]}")
-        report["valid"] = False
-        return report
-    report["tensors"] = {k: {"shape": shapes[k], "dtype": dtypes[k]} for k in sorted(shapes)}
+
+def _config_facts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The report's summary of config.json."""
+    spec = raw.get("speculators_config", {})
+    methods = spec.get("proposal_methods") or [{}]
+    return {
+        "speculative_tokens": methods[0].get("speculative_tokens"),
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+        "aux_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids"),
+        "verifier": spec.get("verifier", {}).get("name_or_path"),
+    }
+
+
+def _read_weights(path: Path) -> tuple[dict[str, list[int]], dict[str, str], Any, Any]:
+    """Shapes and dtypes of a safetensors file's tensors, and its d2t and t2d (None if absent)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
+        shapes = {k: list(s.get_shape()) for k, s in tensors.items()}
+        dtypes = {k: s.get_dtype() for k, s in tensors.items()}
+        d2t = f.get_tensor("d2t") if "d2t" in tensors else None
+        t2d = f.get_tensor("t2d") if "t2d" in tensors else None
+    return shapes, dtypes, d2t, t2d
+
+
+def _expected_shapes(checkpoint: Path) -> tuple[dict[str, list[int]], list[str]]:
+    """The saved tensors' shapes that the config implies (built on the meta device), or none
+    and the problem if the config does not build a model."""
+    from speculators.models.eagle3 import Eagle3DraftModel
 
     try:
         config = load_config(checkpoint)
@@ -192,8 +221,15 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
             if k not in Eagle3DraftModel._keys_to_ignore_on_save  # noqa: SLF001
         }
     except Exception as exc:  # noqa: BLE001
-        problems.append(f"config does not build an Eagle3DraftModel: {str(exc).splitlines()[0]}")
-        expected = {}
+        return {}, [f"config does not build an Eagle3DraftModel: {str(exc).splitlines()[0]}"]
+    return expected, []
+
+
+def _tensor_problems(
+    shapes: dict[str, list[int]], dtypes: dict[str, str], expected: dict[str, list[int]]
+) -> list[str]:
+    """Tensors missing, of another shape than the config implies, unexpected, or not bf16."""
+    problems = []
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(f"tensor {name} missing")
@@ -204,37 +240,47 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     for name, dtype in dtypes.items():
         if name not in ("d2t", "t2d") and dtype != "BF16":
             problems.append(f"tensor {name} is {dtype}, expected BF16")
+    return problems
 
-    k, v = raw.get("draft_vocab_size"), record["vocab_size"]
+
+def _vocab_map_problems(d2t, t2d, draft_vocab: int | None, vocab: int) -> list[str]:
+    """Whether the d2t/t2d map fits the draft and verifier vocabs (or is rightly absent)."""
     if d2t is None or t2d is None:
-        if k != v:
-            problems.append("d2t/t2d missing although draft_vocab_size != verifier vocab")
-    else:
-        from eagle3lib.vocab import check as check_vocab
+        if draft_vocab != vocab:
+            return ["d2t/t2d missing although draft_vocab_size != verifier vocab"]
+        return []
+    from eagle3lib.vocab import check as check_vocab
 
-        try:
-            check_vocab(d2t, t2d, k, v)
-        except ValueError as exc:
-            problems.append(str(exc))
+    try:
+        check_vocab(d2t, t2d, draft_vocab, vocab)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
-    if not problems:
-        try:
-            draft = load_draft(checkpoint, record, "sdpa", torch.float32)
-            n = len(expected_aux)
-            with torch.no_grad():
-                tokens = draft(
-                    hidden_states=torch.randn(1, 8, n * record["hidden_size"]),
-                    input_ids=torch.randint(0, record["vocab_size"], (1, 8)),
-                    document_ids=torch.zeros(1, 8, dtype=torch.long),
-                    ttt_steps=int(report["speculative_tokens"] or 1),
-                )
-            report["reload_forward"] = {"ttt_steps": len(tokens), "shape": list(tokens[0].shape)}
-            if not all(bool((t >= 0).all() and (t < k).all()) for t in tokens):
-                problems.append("reloaded draft proposes ids outside the draft vocab")
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"reload/forward with speculators failed: {str(exc).splitlines()[0]}")
-    report["valid"] = not problems
-    return report
+
+def _reload_forward(
+    checkpoint: Path, record: dict[str, Any], expected_aux: list[int], report: dict[str, Any]
+) -> list[str]:
+    """Reload with speculators and run one forward on random inputs; its output's shape goes
+    into ``report["reload_forward"]``. The problems found (none if it ran and stayed in the
+    draft vocab)."""
+    try:
+        draft = load_draft(checkpoint, record, "sdpa", torch.float32)
+        n = len(expected_aux)
+        with torch.no_grad():
+            tokens = draft(
+                hidden_states=torch.randn(1, 8, n * record["hidden_size"]),
+                input_ids=torch.randint(0, record["vocab_size"], (1, 8)),
+                document_ids=torch.zeros(1, 8, dtype=torch.long),
+                ttt_steps=int(report["speculative_tokens"] or 1),
+            )
+        report["reload_forward"] = {"ttt_steps": len(tokens), "shape": list(tokens[0].shape)}
+        k = report["draft_vocab_size"]
+        if not all(bool((t >= 0).all() and (t < k).all()) for t in tokens):
+            return ["reloaded draft proposes ids outside the draft vocab"]
+    except Exception as exc:  # noqa: BLE001
+        return [f"reload/forward with speculators failed: {str(exc).splitlines()[0]}"]
+    return []
 
 
 def model_card(config: dict[str, Any], record: dict[str, Any], stats: dict[str, Any]) -> str:

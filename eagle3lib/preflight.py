@@ -153,7 +153,7 @@ def input_file_problems(files: dict[str, Path]) -> list[str]:
 def eval_prompt_problems(sets: Sequence[dict[str, Any]]) -> list[str]:
     """Each eval set's file must give prompts as evaluate reads them: all of its records (as
     prepare reads them to exclude them from training), none empty."""
-    from eagle3lib.data import read_eval_prompts
+    from eagle3lib.conversations import read_eval_prompts
 
     for eval_set in sets:
         try:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.config import RegenerateConfig
-from eagle3lib.data import InvalidRecord, eos_ids, normalize_conversation, read_records, until_eos
+from eagle3lib.conversations import InvalidRecord, normalize_conversation, read_records
+from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
 

@@ -33,6 +33,7 @@ def main() -> None:
     import torch
 
     from eagle3lib import checkpoint, data, evaluate, verifier
+    from eagle3lib.conversations import read_eval_prompts
     from eagle3lib.hidden_states import resolve_dtype
 
     if a.threads:
@@ -45,9 +46,7 @@ def main() -> None:
     tokenizer = verifier.load_tokenizer(record)
     eval_sets = json.loads(a.eval_sets)
     for eval_set in eval_sets:
-        eval_set["prompts"] = data.read_eval_prompts(
-            Path(eval_set["path"]), eval_set["max_prompts"]
-        )
+        eval_set["prompts"] = read_eval_prompts(Path(eval_set["path"]), eval_set["max_prompts"])
         for prompt in eval_set["prompts"]:
             prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())

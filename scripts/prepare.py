@@ -7,6 +7,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib import data
 from eagle3lib.config import PrepareConfig, from_dict
+from eagle3lib.conversations import read_eval_prompts
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
 from eagle3lib.leakage import EvalPromptIndex
@@ -38,7 +39,7 @@ def main() -> None:
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     held_out = EvalPromptIndex.build(
-        [[x["text"] for x in data.read_eval_prompts(path, None)] for path in a.eval]
+        [[x["text"] for x in read_eval_prompts(path, None)] for path in a.eval]
     )
     prepared = data.prepare_samples(tokenizer, a.train, cfg, held_out)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])

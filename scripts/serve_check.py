@@ -38,6 +38,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from eagle3lib import data, serve
+    from eagle3lib.conversations import read_eval_prompts
     from eagle3lib.verifier import read_record
 
     record = read_record(a.verifier)
@@ -55,7 +56,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(
         record["load_path"], trust_remote_code=record["trust_remote_code"]
     )
-    prompts = data.read_eval_prompts(a.prompts, a.max_prompts or None)
+    prompts = read_eval_prompts(a.prompts, a.max_prompts or None)
     for prompt in prompts:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     checkpoint = str(a.config.parent)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tiny
 
-from eagle3lib import data
+from eagle3lib import conversations, data
 from eagle3lib.config import PrepareConfig
 from eagle3lib.errors import UserError
 
@@ -73,7 +73,7 @@ def test_think_template_fans_out_one_sample_per_turn(tmp_path):
 @pytest.mark.parametrize("fmt", ["sharegpt", "openai"])
 def test_sharegpt_and_openai_records_normalise_the_same(fmt):
     [record] = tiny.conversations(1, seed=3, fmt=fmt)
-    messages = data.normalize_conversation(record)
+    messages = conversations.normalize_conversation(record)
     [reference] = tiny.conversations(1, seed=3, fmt="openai")
     assert messages == reference["messages"]
 
@@ -82,8 +82,8 @@ def test_json_array_and_jsonl_read_the_same(tmp_path):
     records = tiny.conversations(5)
     (tmp_path / "a.json").write_text(json.dumps(records, indent=2))
     tiny.write_jsonl(tmp_path / "a.jsonl", records)
-    from_json = [r for _, r in data.read_records(tmp_path / "a.json")]
-    from_jsonl = [r for _, r in data.read_records(tmp_path / "a.jsonl")]
+    from_json = [r for _, r in conversations.read_records(tmp_path / "a.json")]
+    from_jsonl = [r for _, r in conversations.read_records(tmp_path / "a.jsonl")]
     assert from_json == from_jsonl == records
 
 
@@ -91,7 +91,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": []}\n{"messages": [}\n')
     with pytest.raises(UserError, match=r"bad\.jsonl:2: invalid JSON"):
-        list(data.read_records(path))
+        list(conversations.read_records(path))
 
 
 def test_truncated_json_array_needs_opt_in(tmp_path):
@@ -100,8 +100,8 @@ def test_truncated_json_array_needs_opt_in(tmp_path):
     path = tmp_path / "cut.json"
     path.write_text(text[: text.rindex('"value"') + 12])  # cut inside the last record
     with pytest.raises(UserError, match="allow_truncated_json"):
-        list(data.read_records(path))
-    kept = [r for _, r in data.read_records(path, allow_truncated_json=True)]
+        list(conversations.read_records(path))
+    kept = [r for _, r in conversations.read_records(path, allow_truncated_json=True)]
     assert kept == records[:2]
 
 
@@ -109,7 +109,7 @@ def test_non_utf8_file_is_a_clear_error(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
     with pytest.raises(UserError, match=r"latin1\.jsonl:2: not valid UTF-8"):
-        list(data.read_records(path))
+        list(conversations.read_records(path))
 
 
 @pytest.mark.parametrize(
@@ -125,8 +125,8 @@ def test_non_utf8_file_is_a_clear_error(tmp_path):
     ],
 )
 def test_invalid_records_are_named(record, reason):
-    with pytest.raises(data.InvalidRecord, match=reason):
-        data.normalize_conversation(record)
+    with pytest.raises(conversations.InvalidRecord, match=reason):
+        conversations.normalize_conversation(record)
 
 
 def prepare(tokenizer, tmp_path, records, **cfg):
@@ -240,13 +240,13 @@ def test_eval_prompt_formats(tmp_path):
             },
         ],
     )
-    prompts = data.read_eval_prompts(path, None)
+    prompts = conversations.read_eval_prompts(path, None)
     assert [(p["id"], p["text"]) for p in prompts] == [
         ("81", "first turn"),
         ("HumanEval/0", "def f():\n"),
         ("x", "hi"),
     ]
-    assert len(data.read_eval_prompts(path, 2)) == 2
+    assert len(conversations.read_eval_prompts(path, 2)) == 2
 
 
 def test_prepared_samples_round_trip_and_shard_ranges(tokenizer, tmp_path):

@@ -87,7 +87,7 @@ def test_packaged_sharegpt_against_the_presets_eval_sets():
     share its stock paragraph about "perplexity and burstiness" but ask something else
     (41-56 %) are kept. The whole check takes about 1 s."""
     from eagle3lib.config import resolve_data_path
-    from eagle3lib.data import (
+    from eagle3lib.conversations import (
         InvalidRecord,
         normalize_conversation,
         read_eval_prompts,

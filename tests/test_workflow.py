@@ -143,6 +143,7 @@ def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_m
 
     from eagle3lib import data, evaluate, train, vocab
     from eagle3lib.config import EvaluateConfig, TrainConfig
+    from eagle3lib.conversations import read_eval_prompts
     from eagle3lib.verifier import read_record
 
     record = read_record(ws.results / "verifier" / "verifier.json")
@@ -152,7 +153,7 @@ def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_m
     untrained = train.build_draft(
         TrainConfig(draft_vocab_size=256, total_seq_len=256), record, layers[:-1], maps, "sdpa"
     )
-    prompts = data.read_eval_prompts(ws.dir / "eval.jsonl", 3)
+    prompts = read_eval_prompts(ws.dir / "eval.jsonl", 3)
     for prompt in prompts:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
     baseline = evaluate.evaluate(

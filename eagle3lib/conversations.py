@@ -1,0 +1,245 @@
+"""Reading conversation and prompt files: records from JSONL or JSON-array files (gzipped too),
+ShareGPT/OpenAI conversations validated into [{role, content}] turns, and held-out prompts
+(MT-bench, HumanEval or conversation records)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.errors import UserError
+
+ROLE_ALIASES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+
+
+class InvalidRecord(Exception):
+    """A record that cannot be used; skipped or fatal depending on data.on_invalid_record.
+
+    ``reason`` is the short, stable key it is counted under; the message has the details.
+    """
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}{f' ({detail})' if detail else ''}")
+        self.reason = reason
+
+
+def _open_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UserError(
+            f"{path}: cannot read the file ({exc.strerror}); check the path in the config"
+        ) from None
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:  # BadGzipFile is an OSError; a cut file is EOFError
+            raise UserError(
+                f"{path}: not a complete gzip file ({exc or 'truncated'}); re-compress it, or "
+                "drop the .gz suffix if it is plain text"
+            ) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8"
+        ) from None
+
+
+def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, record) from a JSONL file or a JSON array file."""
+    text = _open_text(path)
+    stripped = text.lstrip()
+    if not stripped:
+        return
+    if ".jsonl" in path.suffixes or not stripped.startswith("["):
+        yield from _jsonl_records(path, text)
+    else:
+        yield from _json_array_records(path, text, allow_truncated_json)
+
+
+def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, Any]]:
+    # split on newlines only: JSON strings may hold U+2028 and other line separators
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{path}:{lineno}: invalid JSON ({exc.msg}, column {exc.colno}); "
+                "fix or remove the line"
+            ) from None
+
+
+class _LineCounter:
+    """The line number of a position in ``text``; positions must be asked for in order."""
+
+    def __init__(self, text: str):
+        self.text, self.line, self.counted_to = text, 1, 0
+
+    def __call__(self, pos: int) -> int:
+        self.line += self.text.count("\n", self.counted_to, pos)
+        self.counted_to = pos
+        return self.line
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def _json_array_records(
+    path: Path, text: str, allow_truncated_json: bool
+) -> Iterator[tuple[int, Any]]:
+    """The items of a JSON array one by one, so that a file cut off mid-record keeps the
+    records before the cut (with ``allow_truncated_json``)."""
+    decoder = json.JSONDecoder()
+    line_of = _LineCounter(text)
+    pos = text.index("[") + 1
+    first = True
+    while True:
+        pos = _SPACE.match(text, pos).end()
+        if pos >= len(text):
+            if allow_truncated_json:
+                return
+            raise UserError(
+                f"{path}:{line_of(len(text))}: JSON array is not closed (file truncated?); "
+                "repair it or set data.train.allow_truncated_json: true"
+            )
+        if text[pos] == "]":
+            return
+        if not first:
+            if text[pos] != ",":
+                raise UserError(
+                    f"{path}:{line_of(pos)}: invalid JSON (expected ',' between array items); "
+                    "add the missing comma or fix the record before it"
+                )
+            pos = _SPACE.match(text, pos + 1).end()
+        first = False
+        start = pos
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            # The file ends inside this record: a string runs to EOF, or the error is at EOF.
+            cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.rstrip())
+            if cut and allow_truncated_json:
+                return
+            raise _array_item_error(path, exc, cut, line_of(start if cut else exc.pos)) from None
+        yield line_of(start), obj
+
+
+def _array_item_error(path: Path, exc: json.JSONDecodeError, cut: bool, line: int) -> UserError:
+    if cut:
+        return UserError(
+            f"{path}:{line}: the file ends inside this record (truncated?); "
+            "repair it or set data.train.allow_truncated_json: true to keep the records "
+            "before it"
+        )
+    return UserError(
+        f"{path}:{line}: invalid JSON ({exc.msg}); fix the record or, "
+        "for a file cut off mid-record, set data.train.allow_truncated_json: true"
+    )
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidRecord("non-text content part", "only text is supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise InvalidRecord("content is not a string", type(content).__name__)
+
+
+def normalize_conversation(record: Any) -> list[dict[str, str]]:
+    """ShareGPT or OpenAI record -> [{role, content}] with roles user/assistant/system/tool."""
+    if not isinstance(record, dict):
+        raise InvalidRecord("record is not a JSON object", type(record).__name__)
+    turns = record.get("conversations", record.get("messages"))
+    if turns is None:
+        raise InvalidRecord("record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+    if not isinstance(turns, list):
+        raise InvalidRecord("turns are not a list")
+    if not turns:
+        raise InvalidRecord("no turns", "the turn list is empty")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise InvalidRecord("turn is not an object", f"turn {i}")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None or content is None:
+            raise InvalidRecord("turn lacks role/content (or from/value)", f"turn {i}")
+        mapped = ROLE_ALIASES.get(str(role).lower())
+        if mapped is None:
+            raise InvalidRecord(
+                "unknown role", f"turn {i}: {role!r}; known: {', '.join(sorted(ROLE_ALIASES))}"
+            )
+        text = _content_text(content)
+        if not text.strip():
+            raise InvalidRecord("empty content", f"turn {i}, {mapped}")
+        messages.append({"role": mapped, "content": text})
+    return messages
+
+
+def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str]]:
+    """Held-out prompts: MT-bench ({turns}), HumanEval ({prompt}) or conversations (first user turn)."""
+    prompts = []
+    for lineno, record in read_records(path):
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+        if not isinstance(record, dict):
+            raise UserError(
+                f"{path}:{lineno}: a prompt record must be a JSON object; fix or remove the line"
+            )
+        rid = str(record.get("question_id", record.get("task_id", record.get("id", lineno))))
+        text = _prompt_text(path, lineno, record)
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"{path}:{lineno}: empty prompt; write the prompt or remove the line")
+        prompts.append({"id": rid, "text": text})
+    if not prompts:
+        raise UserError(
+            f"{path}: no evaluation prompts found; add prompt records ({{turns}}, {{prompt}} or "
+            "a conversation) or point the eval set at another file"
+        )
+    return prompts
+
+
+def _prompt_text(path: Path, lineno: int, record: dict[str, Any]) -> Any:
+    """A prompt record's prompt: its first turn, its prompt, or its first user turn."""
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return record["turns"][0]
+    if isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    try:
+        messages = normalize_conversation(record)
+    except InvalidRecord as exc:
+        raise UserError(
+            f"{path}:{lineno}: not a prompt record ({exc}); expected 'turns', 'prompt', "
+            "'conversations' or 'messages'"
+        ) from None
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise UserError(
+            f"{path}:{lineno}: conversation has no user turn to use as prompt; add one "
+            "or remove the line"
+        )
+    return users[0]
