@@ -71,6 +71,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -466,8 +467,6 @@ def run_variant(
         base = st.Trainer
     state = out / f"state-{index}"  # a repeated variant never resumes the earlier run
     if state.exists() and os.environ.get("RANK", "0") == "0":  # other ranks wait in train()
-        import shutil
-
         shutil.rmtree(state)
     started, graphs_before = time.perf_counter(), compiled_graphs()
     try:
@@ -509,6 +508,8 @@ def run_variant(
     if cfg.log_every == 1 or args.log_every:
         curves = train.loss_curves(train.read_metrics(state / "metrics.jsonl"))
         curve = {"step": curves["step"], "train_loss": curves["train_loss"]}
+    if os.environ.get("RANK", "0") == "0":  # its checkpoints (GBs each) would fill the disk
+        shutil.rmtree(state, ignore_errors=True)
     kind = "fsdp" if args.fsdp else "ddp"
     return {
         "variant": name + (f"_{kind}{processes}" if processes > 1 else ""),
