@@ -1,8 +1,9 @@
 """GPU jobs: a lease (one lock per GPU) that sets CUDA_VISIBLE_DEVICES, and NVML memory
 readings before and after the job, so validation can fail a job that left memory behind.
 
-Snakemake assigns no device ids to local jobs (snakemake issue #281), so every GPU rule runs
-its command through ``scripts/gpu_job.py``: it takes ``--gpus N`` free devices from the pool
+Snakemake assigns no device ids to local jobs
+(https://github.com/snakemake/snakemake/issues/281), so every GPU rule runs its command
+through ``scripts/gpu_job.py``: it takes ``--gpus N`` free devices from the pool
 (``CUDA_VISIBLE_DEVICES`` if set, else all NVML devices) with non-blocking ``flock``s that the
 kernel releases even on SIGKILL, records NVML used memory per leased device, runs the command
 in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again

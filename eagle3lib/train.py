@@ -81,7 +81,8 @@ def resolve_runtime(cfg) -> dict[str, Any]:
 
         has_triton = True
     if loss == "auto":
-        # speculators' fused loss crashes under torch < 2.13's compiler (pytorch issue 177600)
+        # speculators' fused loss crashes under torch < 2.13's compiler
+        # (https://github.com/pytorch/pytorch/issues/177600)
         new_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
         loss = "fused" if cuda and has_triton and new_torch else "eager"
     elif loss == "fused" and not (cuda and has_triton):

@@ -125,7 +125,8 @@ def test_slurm_profile_requests_gpus_only_through_the_gpu_resource():
         assert resources["slurm_partition"] != profile["default-resources"]["slurm_partition"]
         assert {"runtime", "mem_mb"} <= set(resources), rule
         # GPU counts come from the config; `gpus`/`nvidia_gpu` would request no GPU and
-        # `tasks` would run the job once per GPU (plugin issue #459).
+        # `tasks` would run the job once per GPU
+        # (https://github.com/snakemake/snakemake-executor-plugin-slurm/issues/459).
         forbidden = {"gpu", "gpus", "nvidia_gpu", "gres", "tasks", "tasks_per_gpu", "slurm_extra"}
         assert not forbidden & set(resources), rule
     assert profile["set-resources"]["train"]["cpus_per_gpu"] >= 1
