@@ -48,8 +48,8 @@ Next GPU measurements (durations are estimates from earlier calls, not measured:
 each run builds the draft and, first in a process, compiles it; runs with 12 spawned workers
 start more slowly):
 
-  1. one H200 (nvidia-h200), about 6-8 min, 21 runs: the fair baseline, the default recipe
-     and contention (12 busy processes on the 16 cores):
+  1. one H200 (nvidia-h200), about 6-8 min, 21 runs (ran on 2026-12-01, BENCHMARKS.md): the
+     fair baseline, the default recipe and contention (12 busy processes on the 16 cores):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 12 --repeat 3 \
          --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
