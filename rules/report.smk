@@ -20,7 +20,8 @@ rule report:
         stamp=stamp("report"),
         min_acceptance_length=acceptance_gate_json(),
     shell:
-        "exec python {input.script} --run {params.run} --verifier {input.verifier}"
+        CPU_ONLY
+        + "python {input.script} --run {params.run} --verifier {input.verifier}"
         " --samples-info {input.samples_info} --manifests {input.manifests}"
         " --vocab-info {input.vocab_info} --train-summary {input.train_summary}"
         " --checkpoint-report {input.checkpoint_report} --acceptance {input.acceptance}"
@@ -46,4 +47,5 @@ rule validate:
     conda:
         "../envs/train.yaml"
     shell:
-        "exec python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"
+        CPU_ONLY
+        + "python {input.script} --summary {input.summary} --out {output} > {log} 2>&1"
