@@ -418,40 +418,14 @@ def evaluate(
     try:
         for eval_set in eval_sets:
             t = time.perf_counter()
-            if cfg.method == "replay":
-                runs = _replay_set(
-                    model, tokenizer, capture, drafter, eval_set["prompts"], ks, cfg, eos, log
-                )
-            else:
-                runs = [
-                    _decode_set(model, capture, drafter, eval_set["prompts"], k, cfg, eos, log)
-                    for k in ks
-                ]
+            runs = _set_runs(model, tokenizer, capture, drafter, eval_set, ks, cfg, eos, log)
             seconds = round(time.perf_counter() - t, 2)
             for run in runs:
-                results.append(
-                    {
-                        "eval_set": eval_set["name"],
-                        "prompts": len(eval_set["prompts"]),
-                        **run,
-                        "seconds": seconds,
-                    }
-                )
-                log(
-                    f"evaluate: {eval_set['name']} k={run['k']} acceptance_length="
-                    f"{fmt(run['acceptance_length'])} per position "
-                    + ", ".join(f"{p:.3f}" for p in run["per_position_acceptance"])
-                )
+                results.append(_set_result(eval_set, run, seconds))
+                log(_run_line(eval_set["name"], run))
     finally:
         capture.remove()
-    headline = dict(results[0])
-    per_prompt = headline.pop("per_prompt")
-    for record in per_prompt[1:]:
-        record.pop("tokens")
-    if per_prompt:
-        per_prompt[0]["text"] = tokenizer.decode(
-            per_prompt[0].pop("tokens"), skip_special_tokens=True
-        )
+    headline, per_prompt = _headline(results, tokenizer)
     return {
         **headline,
         "method": cfg.method,
@@ -460,3 +434,44 @@ def evaluate(
         "results": [{k: v for k, v in r.items() if k != "per_prompt"} for r in results],
         "per_prompt": per_prompt,
     }
+
+
+def _set_runs(model, tokenizer, capture, drafter, eval_set, ks, cfg, eos, log) -> list[dict]:
+    """One eval set's results, one per k, by ``cfg.method``."""
+    prompts = eval_set["prompts"]
+    if cfg.method == "replay":
+        return _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log)
+    return [_decode_set(model, capture, drafter, prompts, k, cfg, eos, log) for k in ks]
+
+
+def _set_result(eval_set: dict[str, Any], run: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The record of one eval set at one k: its name and size, the run's fields, its time."""
+    return {
+        "eval_set": eval_set["name"],
+        "prompts": len(eval_set["prompts"]),
+        **run,
+        "seconds": seconds,
+    }
+
+
+def _run_line(name: str, run: dict[str, Any]) -> str:
+    """The log line of one eval set's result at one k."""
+    return (
+        f"evaluate: {name} k={run['k']} acceptance_length="
+        f"{fmt(run['acceptance_length'])} per position "
+        + ", ".join(f"{p:.3f}" for p in run["per_position_acceptance"])
+    )
+
+
+def _headline(results: list[dict[str, Any]], tokenizer) -> tuple[dict[str, Any], list[dict]]:
+    """(the first result without its per-prompt records, those records): the first prompt's
+    tokens decoded to its text, the others' tokens dropped (the records are changed)."""
+    headline = dict(results[0])
+    per_prompt = headline.pop("per_prompt")
+    for record in per_prompt[1:]:
+        record.pop("tokens")
+    if per_prompt:
+        per_prompt[0]["text"] = tokenizer.decode(
+            per_prompt[0].pop("tokens"), skip_special_tokens=True
+        )
+    return headline, per_prompt

@@ -87,42 +87,17 @@ def _value(fh: BinaryIO, kind: int, limit: int, keep: bool = True) -> Any:
 def read_gguf_header(path: str | Path) -> GgufHeader:
     """The header of a GGUF file; a file that is not one, or is cut short anywhere (in its
     metadata, its tensor table or its tensor data), is refused with one line."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    sizes = _quant_sizes()
     path = Path(path)
     size = path.stat().st_size
     try:
         with open(path, "rb") as fh:
-            if fh.read(4) != GGUF_MAGIC:
-                raise UserError(
-                    f"{path}: not a GGUF file (it does not start with 'GGUF'); point "
-                    "verifier.path at a .gguf model file or a Hugging Face model folder"
-                )
-            version = _unpack(fh, "<I")
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+            _check_magic(fh, path)
+            version = _version(fh)
             n_tensors, n_kv = _unpack(fh, "<Q"), _unpack(fh, "<Q")
-            meta: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key = _string(fh, size).decode("utf-8", "replace")
-                meta[key] = _value(fh, _unpack(fh, "<I"), size)
-            ends = []
-            for _ in range(n_tensors):
-                name = _string(fh, size)
-                dims = [_unpack(fh, "<Q") for _ in range(_unpack(fh, "<I"))]
-                kind, offset = _unpack(fh, "<I"), _unpack(fh, "<Q")
-                try:
-                    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-                except (ValueError, KeyError):
-                    raise ValueError(f"tensor {name[:80]!r} has unknown type {kind}") from None
-                count = 1
-                for d in dims:
-                    count *= d
-                ends.append(offset + count // block * block_bytes)
-            align = meta.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-            if not isinstance(align, int) or align <= 0 or align & (align - 1):
-                raise ValueError(f"general.alignment {align!r} is not a power of two")
-            start = -(-fh.tell() // align) * align
+            meta = _metadata(fh, n_kv, size)
+            ends = [_tensor_end(fh, size, sizes) for _ in range(n_tensors)]
+            start = _data_start(fh.tell(), meta)
     except _Truncated:
         raise UserError(
             f"{path}: truncated GGUF file: it ends inside its header ({size:,} bytes); "
@@ -136,6 +111,75 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
             f"{path}: truncated GGUF file: its tensors end at byte {data_end:,}, the file has "
             f"{size:,}; {GGUF_REMEDY}"
         )
+    return GgufHeader(
+        path=path,
+        version=version,
+        **_model_fields(meta),
+        tensors=n_tensors,
+        data_end=data_end,
+        file_bytes=size,
+    )
+
+
+def _quant_sizes() -> dict[int, tuple[int, int]]:
+    """(elements, bytes) of a block of each GGML tensor type, by type id (the gguf package's
+    table)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
+
+
+def _check_magic(fh: BinaryIO, path: Path) -> None:
+    """Refuse a file that does not start as a GGUF file does."""
+    if fh.read(4) != GGUF_MAGIC:
+        raise UserError(
+            f"{path}: not a GGUF file (it does not start with 'GGUF'); point "
+            "verifier.path at a .gguf model file or a Hugging Face model folder"
+        )
+
+
+def _version(fh: BinaryIO) -> int:
+    """The format version, one this reader knows."""
+    version = _unpack(fh, "<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+    return version
+
+
+def _metadata(fh: BinaryIO, n_kv: int, limit: int) -> dict[str, Any]:
+    """The ``n_kv`` metadata keys and their values (an array stands for its length)."""
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _string(fh, limit).decode("utf-8", "replace")
+        meta[key] = _value(fh, _unpack(fh, "<I"), limit)
+    return meta
+
+
+def _tensor_end(fh: BinaryIO, limit: int, sizes: dict[int, tuple[int, int]]) -> int:
+    """One entry of the tensor table: the offset where its data ends (from the data start);
+    ``sizes``: ``_quant_sizes()``."""
+    name = _string(fh, limit)
+    dims = [_unpack(fh, "<Q") for _ in range(_unpack(fh, "<I"))]
+    kind, offset = _unpack(fh, "<I"), _unpack(fh, "<Q")
+    if kind not in sizes:
+        raise ValueError(f"tensor {name[:80]!r} has unknown type {kind}")
+    block, block_bytes = sizes[kind]
+    count = 1
+    for d in dims:
+        count *= d
+    return offset + count // block * block_bytes
+
+
+def _data_start(header_end: int, meta: dict[str, Any]) -> int:
+    """The byte where the tensor data starts: the header's end, aligned as the metadata says."""
+    align = meta.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment {align!r} is not a power of two")
+    return -(-header_end // align) * align
+
+
+def _model_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """GgufHeader's fields about the model, from the metadata (None: not in it)."""
     arch = meta.get("general.architecture")
 
     def field(name: str) -> int | None:
@@ -143,18 +187,13 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     vocab = field("vocab_size") or meta.get("tokenizer.ggml.tokens")
-    return GgufHeader(
-        path=path,
-        version=version,
-        architecture=arch if isinstance(arch, str) else None,
-        num_hidden_layers=field("block_count"),
-        hidden_size=field("embedding_length"),
-        max_position_embeddings=field("context_length"),
-        vocab_size=vocab if isinstance(vocab, int) else None,
-        tensors=n_tensors,
-        data_end=data_end,
-        file_bytes=size,
-    )
+    return {
+        "architecture": arch if isinstance(arch, str) else None,
+        "num_hidden_layers": field("block_count"),
+        "hidden_size": field("embedding_length"),
+        "max_position_embeddings": field("context_length"),
+        "vocab_size": vocab if isinstance(vocab, int) else None,
+    }
 
 
 def safetensors_problem(path: str | Path) -> str | None:

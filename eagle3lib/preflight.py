@@ -25,7 +25,12 @@ from typing import Any
 from eagle3lib.config import aux_layer_errors
 from eagle3lib.errors import UserError
 
-# The folders a run writes under results/<run>/ (rules/common.smk defines the paths).
+# The folders a run writes under results/<run>/, copied by hand from rules/common.smk (which
+# Python cannot import): each Job's folder in its job table JOBS (verifier, regenerated,
+# prepared, hidden_states, vocab, checkpoint, reports), and the paths it names besides them
+# (train/ of TRAIN_STATE and TRAIN_SUMMARY, logs/, benchmarks/, gpu/ of GPU_RECORD), plus
+# .locks/ (eagle3lib/lifetime.py). No test checks this list against rules/common.smk: a job
+# or a path added there must be added here by hand.
 RUN_FOLDERS = (
     "verifier", "regenerated", "prepared", "hidden_states", "vocab", "train", "checkpoint",
     "reports", "logs", "benchmarks", "gpu", ".locks",
@@ -179,36 +184,68 @@ def setting_problems(
     contradict each other, or the verifier ``facts`` (None: unknown yet). ``samples``: how
     many training samples the current prepare made, once it has run. A job with no GPU
     (``*.gpus: 0``) sees none (scripts/gpu_job.py), so GPU-only features are known to fail."""
-    out: list[str] = []
-    data, extract, train = config["data"], config["extract"], config["train"]
-    evaluate, vllm = config["evaluate"], config["vllm"]
-    regenerate = config["regenerate"]
-    ks = _ks(evaluate["k"])
+    out = (
+        _eval_k_problems(config)
+        + _draft_layer_problems(config)
+        + _sample_problems(config, samples)
+        + _train_device_problems(config)
+        + _regenerate_problems(config)
+    )
+    if facts is None:
+        return out
+    return (
+        out
+        + _aux_layer_problems(config, facts)
+        + _vocab_problems(config, facts)
+        + _context_problems(config, facts)
+        + _vllm_context_problems(config, facts)
+    )
 
-    # -- the config alone
-    if max(ks) > evaluate["max_new_tokens"]:
-        out.append(
-            f"config key evaluate.k: k = {max(ks)} proposes more tokens per step than "
-            f"evaluate.max_new_tokens ({evaluate['max_new_tokens']}) generates in all; use k "
-            f"of at most {evaluate['max_new_tokens']}, or raise evaluate.max_new_tokens"
-        )
+
+# -- the config alone
+
+
+def _eval_k_problems(config: dict[str, Any]) -> list[str]:
+    """evaluate.k against evaluate.max_new_tokens."""
+    evaluate = config["evaluate"]
+    k = max(_ks(evaluate["k"]))
+    if k <= evaluate["max_new_tokens"]:
+        return []
+    return [
+        f"config key evaluate.k: k = {k} proposes more tokens per step than "
+        f"evaluate.max_new_tokens ({evaluate['max_new_tokens']}) generates in all; use k "
+        f"of at most {evaluate['max_new_tokens']}, or raise evaluate.max_new_tokens"
+    ]
+
+
+def _draft_layer_problems(config: dict[str, Any]) -> list[str]:
+    """train.full_attention_layers against the draft's train.num_layers."""
+    train = config["train"]
     bad = [i for i in train["full_attention_layers"] if i >= train["num_layers"]]
-    if bad:
+    if not bad:
+        return []
+    return [
+        f"config key train.full_attention_layers: layer id(s) {bad} out of range for a "
+        f"draft of train.num_layers = {train['num_layers']}; use ids from 0 to "
+        f"{train['num_layers'] - 1}, or raise train.num_layers"
+    ]
+
+
+def _sample_problems(config: dict[str, Any], samples: int | None) -> list[str]:
+    """extract.shards against the samples there can be (data.train.max_samples) and those
+    prepare made; too few samples to train on."""
+    shards = config["extract"]["shards"]
+    max_samples = config["data"]["train"]["max_samples"]
+    out = []
+    if max_samples is not None and shards > max_samples:
         out.append(
-            f"config key train.full_attention_layers: layer id(s) {bad} out of range for a "
-            f"draft of train.num_layers = {train['num_layers']}; use ids from 0 to "
-            f"{train['num_layers'] - 1}, or raise train.num_layers"
-        )
-    max_samples = data["train"]["max_samples"]
-    if max_samples is not None and extract["shards"] > max_samples:
-        out.append(
-            f"config key extract.shards: {extract['shards']} shards for at most {max_samples} "
+            f"config key extract.shards: {shards} shards for at most {max_samples} "
             f"samples (data.train.max_samples) leaves a shard empty; use at most {max_samples} "
             "shards"
         )
-    if samples is not None and extract["shards"] > samples:
+    if samples is not None and shards > samples:
         out.append(
-            f"config key extract.shards: {extract['shards']} shards for the {samples} samples "
+            f"config key extract.shards: {shards} shards for the {samples} samples "
             f"prepare made leaves a shard empty; use at most {samples} shards"
         )
     if samples is not None and samples < 2:
@@ -216,7 +253,15 @@ def setting_problems(
             f"data.train.path: prepare made {samples} training sample(s), training needs at "
             "least 2; add conversations or raise data.train.max_samples"
         )
+    return out
+
+
+def _train_device_problems(config: dict[str, Any]) -> list[str]:
+    """Training's attention and loss against its device: GPU-only features on CPU
+    (train.gpus: 0), a sequence length flex attention's block mask cannot take on a GPU."""
+    train = config["train"]
     cpu_train = train["gpus"] == 0
+    out = []
     if cpu_train and train["attention"] == "simple_flex_attention":
         out.append(
             "config key train.attention: flex attention has no backward pass on CPU "
@@ -235,55 +280,94 @@ def setting_problems(
             f"{train['attention']} on a GPU); use e.g. {(train['total_seq_len'] // 128 + 1) * 128}"
             ", or train.attention: sdpa"
         )
-    if regenerate["enabled"] and regenerate["gpus"] % regenerate["workers"]:
-        out.append(
-            f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
-            f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
-            "regenerate.workers"
-        )
+    return out
 
-    if facts is None:
-        return out
-    # -- against the verifier
-    where = f"(verifier: {facts.source})"
+
+def _regenerate_problems(config: dict[str, Any]) -> list[str]:
+    """regenerate.workers against regenerate.gpus (when regeneration runs)."""
+    regenerate = config["regenerate"]
+    if not regenerate["enabled"] or not regenerate["gpus"] % regenerate["workers"]:
+        return []
+    return [
+        f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
+        f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
+        "regenerate.workers"
+    ]
+
+
+# -- against the verifier (a fact it does not know is not checked)
+
+
+def _where(facts: VerifierFacts) -> str:
+    """The end of a message about the verifier: where its facts were read."""
+    return f"(verifier: {facts.source})"
+
+
+def _aux_layer_problems(config: dict[str, Any], facts: VerifierFacts) -> list[str]:
+    """extract.aux_layers against the verifier's layers."""
     layers = facts.num_hidden_layers
-    if layers is not None:
-        out += [f"{e} {where}" for e in aux_layer_errors(extract["aux_layers"], layers)]
-    vocab = facts.vocab_size
-    if vocab is not None and train["draft_vocab_size"] > vocab:
-        out.append(
-            f"config key train.draft_vocab_size: {train['draft_vocab_size']} is larger than the "
-            f"verifier vocab ({vocab}); use at most {vocab} {where}"
-        )
+    if layers is None:
+        return []
+    where = _where(facts)
+    return [f"{e} {where}" for e in aux_layer_errors(config["extract"]["aux_layers"], layers)]
+
+
+def _vocab_problems(config: dict[str, Any], facts: VerifierFacts) -> list[str]:
+    """train.draft_vocab_size against the verifier's vocabulary."""
+    vocab, draft_vocab = facts.vocab_size, config["train"]["draft_vocab_size"]
+    if vocab is None or draft_vocab <= vocab:
+        return []
+    return [
+        f"config key train.draft_vocab_size: {draft_vocab} is larger than the "
+        f"verifier vocab ({vocab}); use at most {vocab} {_where(facts)}"
+    ]
+
+
+def _context_problems(config: dict[str, Any], facts: VerifierFacts) -> list[str]:
+    """data.max_length and the new tokens of evaluate (and regenerate, when it runs) against
+    the verifier's context."""
     context = facts.max_position_embeddings
-    if context is not None:
-        if data["max_length"] > context:
-            out.append(
-                f"config key data.max_length: {data['max_length']} is longer than the verifier's "
-                f"context (max_position_embeddings {context}); use at most {context} {where}"
-            )
-        lengths = [("evaluate.max_new_tokens", evaluate["max_new_tokens"])]
-        if regenerate["enabled"]:
-            lengths.append(("regenerate.max_new_tokens", regenerate["max_new_tokens"]))
-        for key, value in lengths:
-            if value >= context:
-                out.append(
-                    f"config key {key}: {value} new tokens leave no room for the prompt in the "
-                    f"verifier's context (max_position_embeddings {context}); use fewer than "
-                    f"{context} {where}"
-                )
-        uses_vllm = (
-            config["serve_check"]["enabled"]
-            or extract["backend"] == "vllm"
-            or (regenerate["enabled"] and regenerate["backend"] == "vllm")
+    if context is None:
+        return []
+    where = _where(facts)
+    data, regenerate = config["data"], config["regenerate"]
+    out = []
+    if data["max_length"] > context:
+        out.append(
+            f"config key data.max_length: {data['max_length']} is longer than the verifier's "
+            f"context (max_position_embeddings {context}); use at most {context} {where}"
         )
-        if uses_vllm and vllm["max_model_len"] is not None and vllm["max_model_len"] > context:
+    lengths = [("evaluate.max_new_tokens", config["evaluate"]["max_new_tokens"])]
+    if regenerate["enabled"]:
+        lengths.append(("regenerate.max_new_tokens", regenerate["max_new_tokens"]))
+    for key, value in lengths:
+        if value >= context:
             out.append(
-                f"config key vllm.max_model_len: {vllm['max_model_len']} is longer than the "
-                f"verifier's context (max_position_embeddings {context}), which vLLM refuses; "
-                f"use at most {context}, or null {where}"
+                f"config key {key}: {value} new tokens leave no room for the prompt in the "
+                f"verifier's context (max_position_embeddings {context}); use fewer than "
+                f"{context} {where}"
             )
     return out
+
+
+def _vllm_context_problems(config: dict[str, Any], facts: VerifierFacts) -> list[str]:
+    """vllm.max_model_len against the verifier's context, when a job runs vLLM."""
+    context, max_model_len = facts.max_position_embeddings, config["vllm"]["max_model_len"]
+    if context is None or max_model_len is None or max_model_len <= context:
+        return []
+    extract, regenerate = config["extract"], config["regenerate"]
+    uses_vllm = (
+        config["serve_check"]["enabled"]
+        or extract["backend"] == "vllm"
+        or (regenerate["enabled"] and regenerate["backend"] == "vllm")
+    )
+    if not uses_vllm:
+        return []
+    return [
+        f"config key vllm.max_model_len: {max_model_len} is longer than the "
+        f"verifier's context (max_position_embeddings {context}), which vLLM refuses; "
+        f"use at most {context}, or null {_where(facts)}"
+    ]
 
 
 def planning_problems(

@@ -277,64 +277,86 @@ def materialize(
     """Make the verifier loadable and return its identity record. A GGUF file (packaged or
     local) is checked whole, hashed, then converted once to ``hf_dir``; a local folder's
     config.json and weight files are checked before anything loads them."""
-    problem = local_path_problem(path)
-    if problem:
-        raise UserError(problem)
-    gguf = gguf_file(path)
-    source = None
-    if gguf is not None:
-        header = read_gguf_header(gguf)  # a truncated or corrupt file stops here, in one line
-        source = {"file": gguf.name, "bytes": header.file_bytes, "sha256": sha256_file(gguf)}
-        convert_gguf(gguf, hf_dir)
-        load_path, kind = str(hf_dir), "gguf"
-    elif is_local(path):
-        problem = weights_problem(Path(path))
-        if problem:
-            raise UserError(problem)
-        load_path, kind = path, "local"
-    else:
-        load_path, kind = path, "hub"
-
+    load_path, kind, source = _loadable(path, hf_dir)
     config, custom_code = read_config(path, load_path, trust_remote_code)
-
-    weights: dict[str, Any] = {"kind": "hub", "files": {}, "sha256": None}
-    if kind != "hub":
-        safetensors, pickles = weight_files(Path(load_path))
-        if not safetensors and pickles and not allow_pickle:
-            raise UserError(
-                f"verifier {path!r} has only pickle weights ({pickles[0].name}); convert them "
-                "to safetensors, or set verifier.allow_pickle: true if you trust the files"
-            )
-        if not safetensors and not pickles:
-            raise UserError(f"verifier {path!r}: no weight files (*.safetensors) found")
-        weights = weights_checksum(safetensors or pickles)
+    weights = _weights_record(path, load_path, kind, allow_pickle)
 
     from eagle3lib import lm_weights
 
     lm = lm_weights.resolve(path, load_path, kind, config, trust_remote_code, allow_pickle)
-    tc = text_config(config)
-    config_dict = json.loads(config.to_json_string(use_diff=False))
-    config_dict.pop("_name_or_path", None)
-    config_dict.pop("transformers_version", None)
+    config_sha256 = _config_sha256(config)
     return {
         "name": name or default_name(path),
         "path": path,
         "load_path": load_path,
         "kind": kind,
-        "model_type": getattr(config, "model_type", None),
-        "text_model_type": getattr(tc, "model_type", None),
-        "num_hidden_layers": tc.num_hidden_layers,
-        "hidden_size": tc.hidden_size,
-        "vocab_size": tc.vocab_size,
-        "max_position_embeddings": getattr(tc, "max_position_embeddings", None),
+        **_config_fields(config),
         "gguf": source,  # the GGUF file it was converted from (name, bytes, sha256)
-        "config_sha256": sha256_json(config_dict),
+        "config_sha256": config_sha256,
         "weights": weights,
         "trust_remote_code": trust_remote_code,
         "custom_code": custom_code,  # its own (trusted) code, not transformers', builds it
         "allow_pickle": allow_pickle,
         "lm_weights": lm,  # checkpoint keys of the language model's embeddings, LM head, norm
     }
+
+
+def _loadable(path: str, hf_dir: Path) -> tuple[str, str, dict[str, Any] | None]:
+    """(load path, kind: gguf, local or hub, the GGUF file's record or None) of verifier.path.
+    A local path is checked first; a GGUF file is checked whole, hashed and converted to
+    ``hf_dir``; a local folder's weight files are checked."""
+    problem = local_path_problem(path)
+    if problem:
+        raise UserError(problem)
+    gguf = gguf_file(path)
+    if gguf is not None:
+        header = read_gguf_header(gguf)  # a truncated or corrupt file stops here, in one line
+        source = {"file": gguf.name, "bytes": header.file_bytes, "sha256": sha256_file(gguf)}
+        convert_gguf(gguf, hf_dir)
+        return str(hf_dir), "gguf", source
+    if is_local(path):
+        problem = weights_problem(Path(path))
+        if problem:
+            raise UserError(problem)
+        return path, "local", None
+    return path, "hub", None
+
+
+def _weights_record(path: str, load_path: str, kind: str, allow_pickle: bool) -> dict[str, Any]:
+    """The checksum record of the verifier's weight files (none for a hub id); pickle-only
+    weights are refused unless allowed."""
+    if kind == "hub":
+        return {"kind": "hub", "files": {}, "sha256": None}
+    safetensors, pickles = weight_files(Path(load_path))
+    if not safetensors and pickles and not allow_pickle:
+        raise UserError(
+            f"verifier {path!r} has only pickle weights ({pickles[0].name}); convert them "
+            "to safetensors, or set verifier.allow_pickle: true if you trust the files"
+        )
+    if not safetensors and not pickles:
+        raise UserError(f"verifier {path!r}: no weight files (*.safetensors) found")
+    return weights_checksum(safetensors or pickles)
+
+
+def _config_fields(config) -> dict[str, Any]:
+    """The record's fields read from the verifier's config (its language model's)."""
+    tc = text_config(config)
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "text_model_type": getattr(tc, "model_type", None),
+        "num_hidden_layers": tc.num_hidden_layers,
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "max_position_embeddings": getattr(tc, "max_position_embeddings", None),
+    }
+
+
+def _config_sha256(config) -> str:
+    """The hash of the whole config, without its load path and transformers version."""
+    config_dict = json.loads(config.to_json_string(use_diff=False))
+    config_dict.pop("_name_or_path", None)
+    config_dict.pop("transformers_version", None)
+    return sha256_json(config_dict)
 
 
 def portable(record: dict[str, Any], record_path: Path) -> dict[str, Any]:
