@@ -29,8 +29,8 @@ from eagle3lib.errors import UserError
 # Python cannot import): each Job's folder in its job table JOBS (verifier, regenerated,
 # prepared, hidden_states, vocab, checkpoint, reports), and the paths it names besides them
 # (train/ of TRAIN_STATE and TRAIN_SUMMARY, logs/, benchmarks/, gpu/ of GPU_RECORD), plus
-# .locks/ (eagle3lib/lifetime.py). No test checks this list against rules/common.smk: a job
-# or a path added there must be added here by hand.
+# .locks/ (eagle3lib/lifetime.py). tests/test_rules.py checks this list against
+# rules/common.smk.
 RUN_FOLDERS = (
     "verifier", "regenerated", "prepared", "hidden_states", "vocab", "train", "checkpoint",
     "reports", "logs", "benchmarks", "gpu", ".locks",

@@ -118,11 +118,14 @@ def provenance_table(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# The folders of results/<run>/ whose size the summary gives (disk_bytes), written out: the
-# job table that names each job's folder (JOBS in rules/common.smk) is Snakemake code, which
-# Python cannot import, and its folders are not this list anyway: train/ (train's state and
-# summary) is no job's folder, and regenerate's regenerated/ is not counted here.
-STAGE_DIRS = ("verifier", "prepared", "hidden_states", "vocab", "train", "checkpoint", "reports")
+# The folders of results/<run>/ whose size the summary gives (disk_bytes): every job's folder
+# in the job table (JOBS in rules/common.smk, Snakemake code that Python cannot import) and
+# train/ (train's state and summary), in the order of the DAG; tests/test_rules.py checks the
+# list against the table.
+STAGE_DIRS = (
+    "verifier", "regenerated", "prepared", "hidden_states", "vocab", "train", "checkpoint",
+    "reports",
+)  # fmt: skip
 
 
 def disk_usage(run: str, root: Path = Path("results")) -> dict[str, int]:

@@ -55,3 +55,17 @@ def test_the_gpu_jobs_of_the_table_and_only_they_start_with_gpu_job():
             assert f'gpu_count("{job["name"]}")' in text or "train_resources()" in text
         else:
             assert "gpu_job(" not in text and "gpu=" not in text, job["name"]
+
+
+def test_the_python_lists_of_run_folders_are_the_job_tables():
+    """preflight.RUN_FOLDERS (checked before a run writes) and report.STAGE_DIRS (sized in the
+    summary) are written out in Python; they hold every job's folder of the table and every
+    folder that a path of rules/common.smk names under results/<run>/, and nothing else."""
+    from eagle3lib import preflight, report
+
+    text = (ROOT / "rules" / "common.smk").read_text()
+    named = set(re.findall(r'results\(f?"([^"/{]+)/', text))
+    folders = {job["folder"] for job in job_table()}
+    assert folders <= named
+    assert set(preflight.RUN_FOLDERS) == named | {".locks"}
+    assert set(report.STAGE_DIRS) == folders | {"train"}
