@@ -81,17 +81,17 @@ def verifier_facts(spec: str, record_path: Path) -> VerifierFacts | None:
     None for a hub id before the verifier rule ran. A local verifier that cannot be one (a
     missing path, a folder without config.json, a config.json that is not a model's, a GGUF
     file cut short) raises a UserError naming it."""
-    from eagle3lib import verifier
+    from eagle3lib import verifier_files
 
     if record_path.is_file():
         try:
             return facts_from_record(json.loads(record_path.read_text()), str(record_path))
         except (OSError, ValueError, AttributeError):
             pass  # the verifier rule rewrites it; read what the config names instead
-    problem = verifier.local_path_problem(spec)
+    problem = verifier_files.local_path_problem(spec)
     if problem:
         raise UserError(problem)
-    gguf = verifier.gguf_file(spec)
+    gguf = verifier_files.gguf_file(spec)
     if gguf is not None:
         from eagle3lib.modelfiles import read_gguf_header
 
@@ -103,10 +103,10 @@ def verifier_facts(spec: str, record_path: Path) -> VerifierFacts | None:
             header.vocab_size,
             header.max_position_embeddings,
         )
-    if not verifier.is_local(spec):
+    if not verifier_files.is_local(spec):
         return None
     config_path = Path(spec) / "config.json"
-    problem = verifier.config_json_problem(config_path)
+    problem = verifier_files.config_json_problem(config_path)
     if problem:
         raise UserError(problem)
     return facts_from_config(json.loads(config_path.read_text()), str(config_path))

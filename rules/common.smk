@@ -16,7 +16,11 @@ from eagle3lib.multinode import nodes_refusal  # noqa: E402
 from eagle3lib.provenance import stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
-from eagle3lib.verifier import is_gguf_file, is_local, local_path_problem  # noqa: E402
+from eagle3lib.verifier_files import (
+    is_gguf_file,
+    is_local,
+    local_path_problem,
+)  # noqa: E402
 
 
 def fail(message):

@@ -5,6 +5,7 @@ import torch
 
 from eagle3lib import checkpoint, data, evaluate, train, train_data
 from eagle3lib.config import EvaluateConfig
+from eagle3lib.drafter import Drafter
 from eagle3lib.hidden_states import Capture, forward_states
 from eagle3lib.verifier import decoder_layers
 
@@ -42,7 +43,7 @@ def test_first_proposal_matches_speculators_training_alignment(pipeline, draft, 
     sample = ds.shards[0].sample(0)
     aux = sample["hidden_states"][:, :-1].flatten(1).float()
     ids = sample["input_ids"]
-    drafter = evaluate.Drafter(draft)
+    drafter = Drafter(draft)
     for n in (5, 17, n_real - 1):
         [p] = drafter.propose(aux[:n], ids[: n + 1], 1)
         assert p == int(drafter.to_verifier_ids(tokens[0, n - 1]))
@@ -65,7 +66,7 @@ def reference_logits(draft, aux, tokens, proposals):
     k, n = len(proposals), aux.shape[0]
     hidden = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
     forced = torch.cat([tokens, torch.tensor(proposals[:-1], dtype=tokens.dtype)])
-    _, rows = draft_logits(draft, lambda: evaluate.Drafter(draft).predict_all(hidden, forced, k))
+    _, rows = draft_logits(draft, lambda: Drafter(draft).predict_all(hidden, forced, k))
     return torch.stack([r[n - 1] for r in rows])
 
 
@@ -86,7 +87,7 @@ def test_incremental_proposals_equal_speculators_forward(pipeline, draft, window
         draft.sliding_window, draft.sliding_window_indices = window, [0]
         draft.uses_sliding_window_attn, draft.uses_full_attn = True, False
     aux, ids = sample_states(pipeline)
-    drafter = evaluate.Drafter(draft)
+    drafter = Drafter(draft)
     seen = set()
     for n in (5, 9, 10, 17, 30):  # one prompt that grows, as accepted tokens arrive
         proposals, rows = draft_logits(draft, lambda n=n: drafter.propose(aux[:n], ids[: n + 1], 4))
@@ -97,9 +98,7 @@ def test_incremental_proposals_equal_speculators_forward(pipeline, draft, window
         seen.add(tuple(proposals))
     assert len(seen) > 1  # different contexts, different proposals
     drafter.propose(aux[:3], ids[:4], 2)  # another (shorter) sequence starts over
-    assert drafter.propose(aux[:12], ids[:13], 3) == evaluate.Drafter(draft).propose(
-        aux[:12], ids[:13], 3
-    )
+    assert drafter.propose(aux[:12], ids[:13], 3) == Drafter(draft).propose(aux[:12], ids[:13], 3)
 
 
 def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
@@ -109,7 +108,7 @@ def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
     lengths = []
     hook = draft.layers[0].register_forward_hook(lambda m, args, out: lengths.append(out.shape[1]))
     try:
-        drafter = evaluate.Drafter(draft)
+        drafter = Drafter(draft)
         drafter.propose(aux[:10], ids[:11], 5)
         assert lengths == [10, 1, 1, 1, 1]
         lengths.clear()
