@@ -25,12 +25,9 @@ from typing import Any
 from eagle3lib.config import aux_layer_errors
 from eagle3lib.errors import UserError
 
-# The folders a run writes under results/<run>/, copied by hand from rules/common.smk (which
-# Python cannot import): each Job's folder in its job table JOBS (verifier, regenerated,
-# prepared, hidden_states, vocab, checkpoint, reports), and the paths it names besides them
-# (train/ of TRAIN_STATE and TRAIN_SUMMARY, logs/, benchmarks/, gpu/ of GPU_RECORD), plus
-# .locks/ (eagle3lib/lifetime.py). tests/test_rules.py checks this list against
-# rules/common.smk.
+# The folders a run writes under results/<run>/: those the paths of rules/common.smk name
+# (which Python cannot import; tests/test_rules.py checks this list against them) and .locks/
+# (eagle3lib/lifetime.py).
 RUN_FOLDERS = (
     "verifier", "regenerated", "prepared", "hidden_states", "vocab", "train", "checkpoint",
     "reports", "logs", "benchmarks", "gpu", ".locks",
