@@ -16,6 +16,13 @@ Two methods give the same counts:
   tokens, which is exactly what teacher forcing feeds it; so every k costs one pass. It reports
   how often the teacher-forced verifier argmax agrees with the generated tokens (numerics).
 
+Both also report the draft's per-token accuracy on the greedy text (``per_token_accuracy``):
+at every generated position, teacher-forced, whether its first j + 1 proposals are right, as
+training's validation counts ``full_acc_j``. Per-position acceptance counts the same events
+only at the positions where a verifier step starts, which follow a rejected proposal (or k
+accepted ones); where hard tokens cluster those positions are harder than the average one,
+so per-position acceptance can be well below per-token accuracy on the same text.
+
 Draft proposals: ``decode`` runs the draft incrementally (its own KV cache, one pass per
 proposal: k passes per verifier step), ``replay`` runs speculators' own
 ``Eagle3DraftModel.forward`` with teacher forcing; both compute what the draft computes in
@@ -113,6 +120,30 @@ def chain_runs(predictions: torch.Tensor, tokens: torch.Tensor, eos: set[int]) -
     return ok.int().cumprod(0).sum(0).tolist()
 
 
+def token_accuracy(runs: list[int], prompt_len: int, new_tokens: int, steps: int) -> list[int]:
+    """Per-token counterpart of per-position acceptance: for each step j < ``steps``, the
+    positions whose first j + 1 proposals are all right (speculators' ``full_acc_j``), out of
+    ``token_positions(new_tokens, j)``.
+
+    runs: ``chain_runs`` over a prompt and its greedy continuation (``new_tokens`` long, to
+    its end-of-sequence token). Position i's step-j proposal is x_{i+2+j}; the positions
+    counted are those whose step-0 proposal is a generated token that the draft proposes in
+    decoding (the first one comes from the prompt's forward: i from prompt_len - 1) and whose
+    step-j proposal is still a generated token.
+    """
+    start = prompt_len - 1
+    return [
+        sum(1 for r in runs[start : start + token_positions(new_tokens, j)] if r > j)
+        for j in range(steps)
+    ]
+
+
+def token_positions(new_tokens: int, step: int) -> int:
+    """Positions counted by ``token_accuracy`` at ``step``: those whose step-``step``
+    proposal is one of tokens 2..new_tokens of the greedy continuation."""
+    return max(new_tokens - 1 - step, 0)
+
+
 def replay_steps(
     runs: list[int], tokens: list[int], prompt_len: int, k: int, max_new_tokens: int, eos: set[int]
 ) -> tuple[list[int], list[int]]:
@@ -154,7 +185,12 @@ def replay_prompt(
     return predictions, disagree, len(tokens) - prompt_len
 
 
-def acceptance_stats(accepted: list[int], k: int) -> dict[str, Any]:
+def acceptance_stats(
+    accepted: list[int], k: int, correct: list[int] = (), positions: list[int] = ()
+) -> dict[str, Any]:
+    """vLLM's acceptance figures of the verifier steps' ``accepted`` counts, and the per-token
+    accuracy of ``token_accuracy``'s counts summed over prompts (``correct`` of ``positions``
+    per step; None where no position was counted)."""
     steps = len(accepted)
     per_position = [sum(1 for a in accepted if a > j) / steps if steps else 0.0 for j in range(k)]
     return {
@@ -163,11 +199,32 @@ def acceptance_stats(accepted: list[int], k: int) -> dict[str, Any]:
         "accepted_tokens": sum(accepted),
         "acceptance_length": 1 + sum(accepted) / steps if steps else None,
         "per_position_acceptance": per_position,
+        "per_token_accuracy": [
+            c / n if n else None for c, n in zip(correct, positions, strict=True)
+        ],
     }
+
+
+class TokenCounts:
+    """``token_accuracy`` counts summed over prompts, for steps 0..steps-1."""
+
+    def __init__(self, steps: int) -> None:
+        self.correct, self.positions = [0] * steps, [0] * steps
+
+    def add(self, runs: list[int], prompt_len: int, new_tokens: int) -> None:
+        right = token_accuracy(runs, prompt_len, new_tokens, len(self.correct))
+        for j, c in enumerate(right):
+            self.correct[j] += c
+            self.positions[j] += token_positions(new_tokens, j)
+
+    def first(self, k: int) -> tuple[list[int], list[int]]:
+        """(correct, positions) of steps 0..k-1."""
+        return self.correct[:k], self.positions[:k]
 
 
 def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str, Any]:
     per_prompt, all_accepted, mismatches = [], [], 0
+    counts = TokenCounts(k)
     for n, prompt in enumerate(prompts, 1):
         t = time.perf_counter()
         result = speculative_decode(
@@ -179,6 +236,13 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
         capture.states.clear()
         match = result["tokens"] == reference
         mismatches += not match
+        text = prompt["token_ids"] + result["tokens"]
+        predictions, _, _ = replay_prompt(
+            model, capture, drafter, text, len(prompt["token_ids"]), k
+        )
+        capture.states.clear()
+        runs = chain_runs(predictions, torch.tensor(text, device=predictions.device), eos)
+        counts.add(runs, len(prompt["token_ids"]), len(result["tokens"]))
         stats = acceptance_stats(result["accepted"], k)
         all_accepted += result["accepted"]
         per_prompt.append(
@@ -196,7 +260,7 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
             f"acceptance_length={fmt(stats['acceptance_length'])} match={match}"
         )
     return {
-        **acceptance_stats(all_accepted, k),
+        **acceptance_stats(all_accepted, k, *counts.first(k)),
         "text_matches_verifier": mismatches == 0,
         "mismatched_prompts": mismatches,
         "per_prompt": per_prompt,
@@ -216,6 +280,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
     log(f"evaluate: greedy decoding of {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
     accepted: dict[int, list[int]] = {k: [] for k in ks}
     per_prompt, disagree, compared = [], 0, 0
+    counts = TokenCounts(steps)
     for n, (prompt, new) in enumerate(zip(prompts, generated, strict=True), 1):
         tokens = prompt["token_ids"] + new
         predictions, wrong, total = replay_prompt(
@@ -235,6 +300,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
                 "acceptance_length": stats["acceptance_length"],
             }
         record |= {"new_tokens": len(out), "tokens": out}
+        counts.add(runs, len(prompt["token_ids"]), len(out))
         per_prompt.append(record)
         if n % 20 == 0 or n == len(prompts):
             log(f"evaluate: replayed {n}/{len(prompts)} prompts")
@@ -242,7 +308,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
     for k in ks:
         results.append(
             {
-                **acceptance_stats(accepted[k], k),
+                **acceptance_stats(accepted[k], k, *counts.first(k)),
                 "text_matches_verifier": None,  # greedy by construction: not checked
                 "mismatched_prompts": None,
                 "argmax_agreement": 1 - disagree / compared if compared else None,
@@ -322,6 +388,8 @@ def _run_line(name: str, run: dict[str, Any]) -> str:
         f"evaluate: {name} k={run['k']} acceptance_length="
         f"{fmt(run['acceptance_length'])} per position "
         + ", ".join(f"{p:.3f}" for p in run["per_position_acceptance"])
+        + " per token (teacher-forced) "
+        + ", ".join(fmt(p, 3) for p in run["per_token_accuracy"])
     )
 
 

@@ -292,6 +292,35 @@ def _regenerate_problems(config: dict[str, Any]) -> list[str]:
     ]
 
 
+def forward_dtype(setting: str, gpus: int) -> str:
+    """The dtype an ``extract.dtype`` / ``evaluate.dtype`` setting runs the verifier in on the
+    job's device: auto is bfloat16 on a GPU, float32 on a CPU (hidden_states.resolve_dtype)."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if gpus > 0 else "float32"
+
+
+def setting_warnings(config: dict[str, Any]) -> list[str]:
+    """Settings that run but cost acceptance, one line each (printed at planning, not fatal):
+    the HF verifier extracting in one dtype and evaluating in another. The draft then learns
+    the one verifier's states and argmax and is measured against the other's, which differ
+    (for SmolLM2-135M-Instruct, bf16 against fp32: BENCHMARKS.md, bench/verifier_dtype.py)."""
+    extract, evaluate = config["extract"], config["evaluate"]
+    if extract["backend"] != "hf":
+        return []
+    train_dtype = forward_dtype(extract["dtype"], extract["gpus_per_job"])
+    eval_dtype = forward_dtype(evaluate["dtype"], evaluate["gpus"])
+    if train_dtype == eval_dtype:
+        return []
+    return [
+        f"config keys extract.dtype ({extract['dtype']}) and evaluate.dtype "
+        f"({evaluate['dtype']}): the verifier's states are extracted in {train_dtype} but "
+        f"acceptance is measured with it in {eval_dtype}, so the draft is measured against "
+        "a verifier it did not learn from (auto is bfloat16 on a GPU, float32 on a CPU); "
+        "set both to the same dtype"
+    ]
+
+
 # -- against the verifier (a fact it does not know is not checked)
 
 

@@ -24,9 +24,16 @@ def text_check(summary: dict[str, Any]) -> str:
     return str(summary["text_matches_verifier"])
 
 
-def positions(rates: list[float]) -> str:
-    """Per-position acceptance rates as one comma-separated figure list."""
-    return ", ".join(f"{p:.3f}" for p in rates)
+def positions(rates: list[float | None] | None) -> str:
+    """Per-position (or per-step) rates as one comma-separated figure list."""
+    return ", ".join(fmt(p) for p in rates) if rates else "n/a"
+
+
+def validation_accuracy(training: dict[str, Any]) -> list[float]:
+    """The last validation's ``full_acc_j`` per TTT step j (held-out training data)."""
+    val = (training.get("val") or [{}])[-1]
+    steps = sorted(int(k.split("_")[2]) for k in val if k.startswith("full_acc_"))
+    return [val[f"full_acc_{j}_epoch"] for j in steps]
 
 
 def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
@@ -37,6 +44,7 @@ def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
             r["k"],
             fmt(r["acceptance_length"], 4),
             positions(r["per_position_acceptance"]),
+            positions(r.get("per_token_accuracy")),
             r["prompts"],
             r["steps"],
         ]
@@ -44,7 +52,15 @@ def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
     ]
 
 
-ACCEPTANCE_HEADERS = ["eval set", "k", "acceptance length", "per position", "prompts", "steps"]
+ACCEPTANCE_HEADERS = [
+    "eval set",
+    "k",
+    "acceptance length",
+    "per position",
+    "per token (teacher-forced)",
+    "prompts",
+    "steps",
+]
 
 
 def overlap_row(data: dict[str, Any]) -> list[str]:
@@ -77,6 +93,10 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         f"| valid | {'yes' if summary['valid'] else 'NO'} |",
         f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
         f"| per-position acceptance | {positions(summary['per_position_acceptance'])} |",
+        f"| draft accuracy per token of the eval text, teacher-forced (per TTT step) | "
+        f"{positions(acc.get('per_token_accuracy'))} |",
+        f"| draft accuracy per token of held-out training data (validation's full_acc) | "
+        f"{positions(validation_accuracy(summary['training']))} |",
         f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
         f"| text equals verifier-only greedy | {text_check(summary)} |",
         f"| checkpoint valid | {summary['checkpoint_valid']} |",

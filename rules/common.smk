@@ -606,6 +606,8 @@ def check_before_jobs():
     )
     for problem in problems:
         fail(problem)
+    for warning in preflight.setting_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     return facts
 
 

@@ -317,6 +317,32 @@ def test_replay_steps_walk_the_decode_loop():
     assert accepted == [2] and out == [20, 21, 22, 23]  # the first step reaches the EOS token
 
 
+def test_per_token_accuracy_counts_every_generated_position_as_validation_does():
+    """token_accuracy counts position i's first j + 1 proposals (x_{i+2}..x_{i+2+j}) at every
+    position whose step-0 proposal is a generated token, like speculators' full_acc_j; the
+    decode loop only counts the positions where a verifier step starts."""
+    prompt = [7, 8]
+    # runs at draft positions 1..9 (position 1 proposes the second generated token): an easy
+    # stretch of long runs, then hard positions where only every other step-0 proposal is right
+    runs = [0, 3, 3, 3, 3, 3, 3, 0, 1, 0, 1, 0, 0, 0]
+    tokens = prompt + list(range(20, 32))  # 12 generated tokens
+    assert evaluate.token_accuracy(runs, 2, 10, 3) == [7, 6, 6]  # positions 1..9, 1..8, 1..7
+    assert [evaluate.token_positions(10, j) for j in range(3)] == [9, 8, 7]
+    counts = evaluate.TokenCounts(3)
+    counts.add(runs, 2, 10)
+    counts.add(runs, 2, 10)
+    stats = evaluate.acceptance_stats([3, 0], 3, *counts.first(3))
+    assert stats["per_token_accuracy"] == pytest.approx([7 / 9, 6 / 8, 6 / 7])
+    # the loop: i=1 accepts 3 (+bonus) -> i=5: 3 -> i=9: 0 -> 10 tokens; its first proposals
+    # are right at 2 of 3 steps (the easy stretch is crossed in two), per token at 7 of 9
+    accepted, out = evaluate.replay_steps(runs, tokens, 2, k=3, max_new_tokens=10, eos=set())
+    assert accepted == [3, 3, 0] and len(out) == 10
+    assert evaluate.acceptance_stats(accepted, 3)["per_position_acceptance"][0] == 2 / 3
+    # a continuation of one token has no drafted position
+    assert evaluate.token_accuracy(runs, 2, 1, 2) == [0, 0]
+    assert evaluate.acceptance_stats([], 2, [0, 0], [0, 0])["per_token_accuracy"] == [None, None]
+
+
 def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, tokenizer):
     """Same prompts, same draft: the batched replay equals speculative decoding for every k,
     with a draft that accepts well (long accepted runs, so the walk through them is tested)."""
@@ -332,7 +358,15 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
             verifier_model, draft, tokenizer, sets, cfg, AUX, log=lambda m: None
         )
     decode, replay = results["decode"], results["replay"]
-    keys = ("eval_set", "k", "prompts", "steps", "accepted_tokens", "per_position_acceptance")
+    keys = (
+        "eval_set",
+        "k",
+        "prompts",
+        "steps",
+        "accepted_tokens",
+        "per_position_acceptance",
+        "per_token_accuracy",
+    )
     assert [[r[k] for k in keys] for r in replay["results"]] == [
         [r[k] for k in keys] for r in decode["results"]
     ]
@@ -348,6 +382,10 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
     steps = sum(r["steps"] for r in at_3)
     assert 1 + sum(r["accepted_tokens"] for r in at_3) / steps >= 2.0  # it accepts well
     assert max(r["per_position_acceptance"][-1] for r in decode["results"] if r["k"] == 5) > 0
+    for r in decode["results"]:  # per token: one rate per step, falling with the step
+        tokens = r["per_token_accuracy"]
+        assert len(tokens) == r["k"] and tokens == sorted(tokens, reverse=True), r
+        assert 0 < tokens[0] <= 1, r
     assert decode["text_matches_verifier"] is True and replay["text_matches_verifier"] is None
     assert replay["argmax_agreement"] == 1.0
     assert replay["per_prompt"][0]["text"] == decode["per_prompt"][0]["text"]

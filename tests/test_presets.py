@@ -14,9 +14,12 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_plans_every_stage_with_its_gpus(preset, tmp_path):
     config = yaml.safe_load(preset.read_text())
-    out = run_snakemake(
+    proc = run_snakemake(
         tmp_path, preset, "--dry-run", "--profile", str(ROOT / "profiles" / "slurm")
-    ).stdout
+    )
+    out = proc.stdout
+    # the verifier extracts in the dtype evaluation measures it in (preflight.setting_warnings)
+    assert "warning:" not in proc.stderr, proc.stderr
     counts = job_counts(out)
     assert counts["extract"] == config["extract"]["shards"]
     assert counts["train"] == counts["evaluate"] == counts["verifier"] == 1
@@ -49,6 +52,21 @@ def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
     )
     assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
     assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
+
+
+def test_planning_warns_when_extraction_and_evaluation_run_the_verifier_in_two_dtypes(tmp_path):
+    """The SmolLM2 preset once extracted in bf16 (extract.dtype auto on a GPU) and evaluated
+    in fp32: the draft learnt one verifier and was measured against another."""
+    overlay = tmp_path / "auto.yaml"
+    overlay.write_text("extract: {dtype: auto}\n")
+    preset = ROOT / "configs" / "smollm2-gpu.yaml"
+    proc = run_snakemake(tmp_path, None, "--dry-run", "--configfile", str(preset), str(overlay))
+    assert (
+        "warning: config keys extract.dtype (auto) and evaluate.dtype (float32): the verifier's "
+        "states are extracted in bfloat16 but acceptance is measured with it in float32"
+    ) in proc.stderr
+    assert "set both to the same dtype" in proc.stderr
+    assert job_counts(proc.stdout)["extract"] == 4  # a warning, not an error: it still plans
 
 
 @pytest.mark.slow

@@ -110,6 +110,19 @@ def test_first_run_builds_checkpoint_and_report(ws):
     markdown = (ws.results / "reports" / "summary.md").read_text()
     assert "| training conversations dropped as holding an eval prompt" in markdown
     assert "| eval 1 |" in markdown
+    per_token = acceptance["per_token_accuracy"]
+    assert len(per_token) == 3 and all(0 <= a <= 1 for a in per_token)
+    val = summary["training"]["val"][-1]
+    assert (
+        "| draft accuracy per token of held-out training data (validation's full_acc) | "
+        + ", ".join(f"{val[f'full_acc_{j}_epoch']:.3f}" for j in range(3))
+        + " |"
+    ) in markdown
+    assert (
+        "| draft accuracy per token of the eval text, teacher-forced (per TTT step) | "
+        + ", ".join(f"{a:.3f}" for a in per_token)
+        + " |"
+    ) in markdown
     assert summary["min_acceptance_length"] == {}
     assert summary["valid"] is True and summary["problems"] == []
     assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
