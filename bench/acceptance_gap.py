@@ -104,7 +104,7 @@ def draft_gap(a) -> dict:
         k=a.k, max_new_tokens=a.max_new_tokens, method=a.method, batch_size=a.batch_size
     )
     t = time.perf_counter()
-    result = evaluate.evaluate(model, draft, tokenizer, sets, cfg, aux, log=lambda m: None)
+    result = evaluate.evaluate(model, draft, tokenizer, sets, cfg, aux, log=log)
     rows = [
         {
             key: r[key]
@@ -142,6 +142,10 @@ def draft_gap(a) -> dict:
         "seconds": round(time.perf_counter() - t, 1),
         "rows": rows,
     }
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def figures(values) -> str:
@@ -195,6 +199,7 @@ def dtype_gap(a) -> dict:
         t = time.perf_counter()
         ids = [p["token_ids"] for p in prompts]
         generated = generate(ids)
+        log(f"dtype: {name}: {len(ids)} prompts decoded in {time.perf_counter() - t:.1f} s")
         captures["float32"].states.clear()
         differ = total = 0
         rel_sum = [0.0] * len(layers)
