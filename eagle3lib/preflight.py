@@ -302,12 +302,11 @@ def forward_dtype(setting: str, gpus: int) -> str:
 
 def setting_warnings(config: dict[str, Any]) -> list[str]:
     """Settings that run but cost acceptance, one line each (printed at planning, not fatal):
-    the HF verifier extracting in one dtype and evaluating in another. The draft then learns
-    the one verifier's states and argmax and is measured against the other's, which differ
-    (for SmolLM2-135M-Instruct, bf16 against fp32: BENCHMARKS.md, bench/verifier_dtype.py)."""
+    the verifier extracting in one dtype (either backend resolves extract.dtype alike) and
+    evaluating in another. The draft then learns the one verifier's states and argmax and is
+    measured against the other's, which differ (for SmolLM2-135M-Instruct, bf16 against fp32:
+    BENCHMARKS.md, bench/acceptance_gap.py dtype)."""
     extract, evaluate = config["extract"], config["evaluate"]
-    if extract["backend"] != "hf":
-        return []
     train_dtype = forward_dtype(extract["dtype"], extract["gpus_per_job"])
     eval_dtype = forward_dtype(evaluate["dtype"], evaluate["gpus"])
     if train_dtype == eval_dtype:

@@ -324,7 +324,7 @@ def test_per_token_accuracy_counts_every_generated_position_as_validation_does()
     prompt = [7, 8]
     # runs at draft positions 1..9 (position 1 proposes the second generated token): an easy
     # stretch of long runs, then hard positions where only every other step-0 proposal is right
-    runs = [0, 3, 3, 3, 3, 3, 3, 0, 1, 0, 1, 0, 0, 0]
+    runs = [3, 3, 3, 3, 3, 3, 3, 0, 1, 0, 3, 0, 0, 0]  # positions 0 and 10 are never counted
     tokens = prompt + list(range(20, 32))  # 12 generated tokens
     assert evaluate.token_accuracy(runs, 2, 10, 3) == [7, 6, 6]  # positions 1..9, 1..8, 1..7
     assert [evaluate.token_positions(10, j) for j in range(3)] == [9, 8, 7]
@@ -382,10 +382,10 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
     steps = sum(r["steps"] for r in at_3)
     assert 1 + sum(r["accepted_tokens"] for r in at_3) / steps >= 2.0  # it accepts well
     assert max(r["per_position_acceptance"][-1] for r in decode["results"] if r["k"] == 5) > 0
-    for r in decode["results"]:  # per token: one rate per step, falling with the step
+    for r in decode["results"]:  # per token: one rate per step
         tokens = r["per_token_accuracy"]
-        assert len(tokens) == r["k"] and tokens == sorted(tokens, reverse=True), r
-        assert 0 < tokens[0] <= 1, r
+        assert len(tokens) == r["k"] and all(0 <= a <= 1 for a in tokens), r
+        assert tokens[0] > 0, r
     assert decode["text_matches_verifier"] is True and replay["text_matches_verifier"] is None
     assert replay["argmax_agreement"] == 1.0
     assert replay["per_prompt"][0]["text"] == decode["per_prompt"][0]["text"]

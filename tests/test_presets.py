@@ -69,6 +69,36 @@ def test_planning_warns_when_extraction_and_evaluation_run_the_verifier_in_two_d
     assert job_counts(proc.stdout)["extract"] == 4  # a warning, not an error: it still plans
 
 
+def test_dtype_warning_resolves_auto_by_each_jobs_device():
+    """auto is float32 on a CPU job (gpus 0) and bfloat16 on a GPU job, for either backend."""
+    from snakemake.utils import update_config, validate
+
+    from eagle3lib.preflight import setting_warnings
+
+    schema = str(ROOT / "rules" / "schemas" / "config.schema.yaml")
+
+    def warnings(*overlays):
+        config = yaml.safe_load((ROOT / overlays[0]).read_text())
+        for overlay in overlays[1:]:
+            update_config(
+                config,
+                overlay
+                if isinstance(overlay, dict)
+                else yaml.safe_load((ROOT / overlay).read_text()),
+            )
+        validate(config, schema=schema, set_default=True)
+        return setting_warnings(config)
+
+    assert warnings("config.yaml") == []  # float32 on CPU, auto on CPU
+    assert warnings("configs/smollm2-gpu.yaml", "configs/overlays/cpu-slice.yaml") == []
+    cpu_auto = {"extract": {"dtype": "auto"}, "evaluate": {"dtype": "bfloat16"}}
+    [line] = warnings("config.yaml", cpu_auto)
+    assert "extracted in float32 but acceptance is measured with it in bfloat16" in line
+    vllm = {"extract": {"backend": "vllm", "dtype": "auto", "gpus_per_job": 1}}
+    [line] = warnings("configs/smollm2-gpu.yaml", vllm)
+    assert "extracted in bfloat16 but acceptance is measured with it in float32" in line
+
+
 @pytest.mark.slow
 def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
     """configs/smollm2-gpu.yaml end to end on the CPU, cut by configs/overlays/cpu-slice.yaml:
