@@ -141,6 +141,14 @@ def aux_layer_errors(aux_layers: Any, num_layers: int | None = None) -> list[str
     return errors
 
 
+def forward_dtype(setting: str, gpu: bool) -> str:
+    """The dtype name a dtype setting (extract.dtype, evaluate.dtype) computes in on a job's
+    device: auto is bfloat16 on a GPU and float32 on a CPU (hidden_states.resolve_dtype)."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if gpu else "float32"
+
+
 def resolve_aux_layers(aux_layers: list[int] | None, num_layers: int) -> list[int]:
     """The aux layer ids for a verifier of ``num_layers`` layers (None: speculators'
     default); the first of aux_layer_errors stops the job."""

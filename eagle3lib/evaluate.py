@@ -240,7 +240,6 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
         predictions, _, _ = replay_prompt(
             model, capture, drafter, text, len(prompt["token_ids"]), k
         )
-        capture.states.clear()
         runs = chain_runs(predictions, torch.tensor(text, device=predictions.device), eos)
         counts.add(runs, len(prompt["token_ids"]), len(result["tokens"]))
         stats = acceptance_stats(result["accepted"], k)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3lib.config import resolve_aux_layers
+from eagle3lib.config import forward_dtype, resolve_aux_layers
 from eagle3lib.errors import UserError
 from eagle3lib.shard_writer import ShardWriter
 from eagle3lib.shards import SHARD_FORMAT, STORAGE_DTYPES, ShardLayout, input_hash
@@ -150,8 +150,7 @@ def resolve_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.
     fp32 on CPU; bf16 is refused on a CPU without native bf16 (precision.bf16_is_slow)."""
     from eagle3lib.precision import bf16_is_slow
 
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = forward_dtype(name, device.type == "cuda")
     if name == "bfloat16" and bf16_is_slow(device):
         raise UserError(
             f"config key {key}: bfloat16 on this CPU, which has no native bf16 (it would run "

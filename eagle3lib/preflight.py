@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.config import aux_layer_errors
+from eagle3lib.config import aux_layer_errors, forward_dtype
 from eagle3lib.errors import UserError
 
 # The folders a run writes under results/<run>/: those the paths of rules/common.smk name
@@ -292,14 +292,6 @@ def _regenerate_problems(config: dict[str, Any]) -> list[str]:
     ]
 
 
-def forward_dtype(setting: str, gpus: int) -> str:
-    """The dtype an ``extract.dtype`` / ``evaluate.dtype`` setting runs the verifier in on the
-    job's device: auto is bfloat16 on a GPU, float32 on a CPU (hidden_states.resolve_dtype)."""
-    if setting != "auto":
-        return setting
-    return "bfloat16" if gpus > 0 else "float32"
-
-
 def setting_warnings(config: dict[str, Any]) -> list[str]:
     """Settings that run but cost acceptance, one line each (printed at planning, not fatal):
     the verifier extracting in one dtype (either backend resolves extract.dtype alike) and
@@ -307,8 +299,8 @@ def setting_warnings(config: dict[str, Any]) -> list[str]:
     measured against the other's, which differ (for SmolLM2-135M-Instruct, bf16 against fp32:
     BENCHMARKS.md, bench/acceptance_gap.py dtype)."""
     extract, evaluate = config["extract"], config["evaluate"]
-    train_dtype = forward_dtype(extract["dtype"], extract["gpus_per_job"])
-    eval_dtype = forward_dtype(evaluate["dtype"], evaluate["gpus"])
+    train_dtype = forward_dtype(extract["dtype"], extract["gpus_per_job"] > 0)
+    eval_dtype = forward_dtype(evaluate["dtype"], evaluate["gpus"] > 0)
     if train_dtype == eval_dtype:
         return []
     return [
