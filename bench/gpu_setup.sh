@@ -100,9 +100,13 @@ EOF
   ;;
 install)
   (cd "$XFER" && sha256sum --quiet -c SHA256SUMS) >&2
-  mkdir -p "$SITE" "$SITE/bin"
+  mkdir -p "$SITE"  # its bin/ after the install: pip --target skips a bin/ that exists
   python3 -m pip install --quiet --no-deps --no-index --target "$SITE" "$XFER"/wheels/*.whl >&2
-  ln -sf "$(command -v python3)" "$SITE/bin/python"
+  mkdir -p "$SITE/bin"
+  # a script, not a link: a link to a virtual environment's python3 would lose the
+  # environment (python finds pyvenv.cfg beside the path it was started by)
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$SITE/bin/python"
+  chmod +x "$SITE/bin/python"
   # The image has scikit-learn, the workflow's environment (envs/train.yaml) has not, and
   # transformers imports it when present: about 1.2 s more in every GPU job's start-up.
   python3 -m pip uninstall --quiet --yes scikit-learn >&2 2>/dev/null || true

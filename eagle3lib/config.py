@@ -259,10 +259,11 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
 
 def acceptance_gate(gate: dict[str, dict[Any, float]] | None) -> dict[str, dict[str, float]]:
     """validate.min_acceptance_length with every k as a string (YAML gives 3 or "3"), sorted;
-    null is no gate."""
+    null is no gate, and a set given as null is not gated."""
     return {
         name: {str(k): float(v) for k, v in sorted(per_k.items(), key=lambda kv: int(kv[0]))}
         for name, per_k in sorted((gate or {}).items())
+        if per_k is not None
     }
 
 
@@ -280,6 +281,8 @@ def acceptance_gate_errors(config: dict[str, Any], schema: dict[str, Any]) -> li
     ks = [k] if isinstance(k, int) else list(k)
     errors = []
     for name, per_k in gate.items():
+        if per_k is None:  # that set is not gated
+            continue
         if name not in names:
             errors.append(
                 f"{key}.{name}: no eval set has this name (data.eval and data.extra_eval: "

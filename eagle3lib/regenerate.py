@@ -73,6 +73,13 @@ def read_conversations(
     return out
 
 
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """The assistant turn stored for the generated ``ids``: their text without special tokens,
+    stripped (prepare renders it through the chat template again, so the tokens trained on
+    can differ from ``ids`` where decoding and encoding do not round-trip)."""
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
 def regenerate_chunk(
     conversations: list[dict[str, Any]],
     render: Callable[[list[dict[str, str]]], list[int]],

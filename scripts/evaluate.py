@@ -13,8 +13,7 @@ from eagle3lib.lifetime import hold_folders
 from eagle3lib.verifier import read_record
 
 
-@cli
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True)
     p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
@@ -27,7 +26,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+@cli
+def main() -> None:
+    a = arguments()
     hold_folders("evaluate", a.out, a.provenance)
 
     import torch

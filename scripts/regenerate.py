@@ -11,8 +11,7 @@ from eagle3lib.fileio import write_json
 from eagle3lib.lifetime import hold_folders
 
 
-@cli
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True, help="verifier.json")
     p.add_argument("--train", type=Path, required=True, help="the original conversations")
@@ -29,7 +28,12 @@ def main() -> None:
     p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
     p.add_argument("--workers", type=int, default=1, help="data-parallel generate processes")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # i/n: one of --workers
-    a = p.parse_args()
+    return p.parse_args()
+
+
+@cli
+def main() -> None:
+    a = arguments()
     if a.worker is None:  # its workers write chunks of the job that holds the lock
         hold_folders("regenerate", a.out, a.out_info, a.provenance)
 
@@ -41,7 +45,6 @@ def main() -> None:
     data = json.loads(a.data)
     section = json.loads(a.regenerate)
     cfg = from_dict(RegenerateConfig, section)
-    engine = json.loads(a.vllm)
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     check_chat_template(tokenizer, str(a.train))
@@ -56,7 +59,7 @@ def main() -> None:
         return render_ids(tokenizer, messages, add_generation_prompt=True)
 
     def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True).strip()
+        return rg.answer_text(tokenizer, ids)
 
     fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
                    "data": data["train"], "max_length": data["max_length"]}  # fmt: skip
@@ -66,53 +69,11 @@ def main() -> None:
         log=rg.log_stderr, worker=worker,
     )  # fmt: skip
     if cfg.backend == "hf" and a.workers > 1 and worker is None:
-        import os
-        import time
-
-        from eagle3lib.fileio import fingerprinted_dir
-
-        t0 = time.perf_counter()
-        fingerprinted_dir(a.work_dir, fingerprint)  # before the workers share it
-        done_before = len(list(a.work_dir.glob("chunk-*.jsonl")))
-        threads = ["--threads", str(max(1, a.threads // a.workers))] if a.threads else []
-        rg.run_workers(
-            [sys.executable, *sys.argv, *threads], os.environ.get("CUDA_VISIBLE_DEVICES"),
-            a.workers, log=rg.log_stderr,
-        )  # fmt: skip
-
-        def finished(prompts):  # every chunk is done: only the output is written now
-            raise RuntimeError("regenerate: a worker left a chunk undone")
-
-        stats = run(finished)
-        stats |= {
-            "chunks_reused": done_before,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "workers": a.workers,
-        }
+        stats = with_workers(a, fingerprint, run)
     elif cfg.backend == "vllm":
-        from eagle3lib import serve
-
-        args = ["--seed", str(cfg.seed), *serve.engine_args(engine, record["trust_remote_code"])]
-        env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
-        with serve.VllmServer(
-            a.vllm_python, record["load_path"], args, a.server_log, env, engine["startup_timeout"]
-        ) as server:
-            stats = run(rg.vllm_generate(server, cfg))
+        stats = with_vllm(a, cfg, json.loads(a.vllm), record, run)
     else:
-        import torch
-
-        from eagle3lib.hidden_states import resolve_dtype
-        from eagle3lib.verifier import device_map_for_job, load_model
-
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        model = load_model(
-            record,
-            resolve_dtype("auto", device),
-            device_map=device_map_for_job(),
-        )
-        stats = run(rg.hf_generate(model, tokenizer, cfg))
+        stats = with_hf(a, cfg, record, tokenizer, run)
         if worker is not None:
             return
     info = {**stats, "settings": section, "verifier": record["name"], "source": str(a.train.name)}
@@ -122,6 +83,62 @@ def main() -> None:
         from eagle3lib import provenance
 
         provenance.write(a.provenance, "regenerate", section, a.verifier, cfg.seed, stamp=a.stamp)
+
+
+def with_workers(a, fingerprint, run) -> dict:
+    """--workers processes of this script (one per GPU) do the chunks; then the output."""
+    import os
+    import time
+
+    from eagle3lib import regenerate as rg
+    from eagle3lib.fileio import fingerprinted_dir
+
+    t0 = time.perf_counter()
+    fingerprinted_dir(a.work_dir, fingerprint)  # before the workers share it
+    done_before = len(list(a.work_dir.glob("chunk-*.jsonl")))
+    threads = ["--threads", str(max(1, a.threads // a.workers))] if a.threads else []
+    rg.run_workers(
+        [sys.executable, *sys.argv, *threads], os.environ.get("CUDA_VISIBLE_DEVICES"),
+        a.workers, log=rg.log_stderr,
+    )  # fmt: skip
+
+    def finished(prompts):  # every chunk is done: only the output is written now
+        raise RuntimeError("regenerate: a worker left a chunk undone")
+
+    stats = run(finished)
+    return stats | {
+        "chunks_reused": done_before,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "workers": a.workers,
+    }
+
+
+def with_vllm(a, cfg, engine: dict, record: dict, run) -> dict:
+    """Generate through a vLLM server of the verifier, started for this job."""
+    from eagle3lib import regenerate as rg
+    from eagle3lib import serve
+
+    args = ["--seed", str(cfg.seed), *serve.engine_args(engine, record["trust_remote_code"])]
+    env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
+    with serve.VllmServer(
+        a.vllm_python, record["load_path"], args, a.server_log, env, engine["startup_timeout"]
+    ) as server:
+        return run(rg.vllm_generate(server, cfg))
+
+
+def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
+    """Generate with the HF verifier in this process."""
+    import torch
+
+    from eagle3lib import regenerate as rg
+    from eagle3lib.hidden_states import resolve_dtype
+    from eagle3lib.verifier import device_map_for_job, load_model
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    model = load_model(record, resolve_dtype("auto", device), device_map=device_map_for_job())
+    return run(rg.hf_generate(model, tokenizer, cfg))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ from eagle3lib.fileio import atomic_path, read_json, write_json
 from eagle3lib.lifetime import hold_folders
 
 
-@cli
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run", required=True)
     p.add_argument("--verifier", type=Path, required=True)
@@ -39,7 +38,12 @@ def main() -> None:
     p.add_argument("--out-tables", type=Path, required=True, help="HTML tables for --report")
     p.add_argument("--out-provenance", type=Path, help="write provenance-report.json here")
     p.add_argument("--stamp", help="what made the report (JSON, from the rule)")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+@cli
+def main() -> None:
+    a = arguments()
     outputs = (a.out, a.out_markdown, a.out_plot_acceptance, a.out_plot_loss, a.out_tables)
     hold_folders("report", *outputs, a.out_provenance)
 

@@ -16,8 +16,7 @@ from eagle3lib.fileio import write_json
 from eagle3lib.lifetime import hold_folders
 
 
-@cli
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True, help="verifier.json")
     p.add_argument("--config", type=Path, required=True, help="the checkpoint's config.json")
@@ -32,7 +31,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--provenance", type=Path)
     p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+@cli
+def main() -> None:
+    a = arguments()
     hold_folders("serve_check", a.out, a.provenance)
 
     from transformers import AutoTokenizer

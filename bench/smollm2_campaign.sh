@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The SmolLM2 preset (configs/smollm2-gpu.yaml) rebuilt on the x2 host (2 x H200), with the
+# checks that need a GPU and a finished stage run beside it on the GPU the build leaves free:
+#
+#   - acceptance_gap dtype  (once training has started: the verifier and prepare are done)
+#   - acceptance_gap draft at k = 3 and 5 (once the checkpoint is checked), by replay: the
+#     decode loop gives the same counts (76 of 80 MT-bench prompts compared on an H200,
+#     BENCHMARKS.md) but took about 8 s a prompt there, replay a fraction of that
+#   - with TRAIN_ARGS set, bench/train.py (e.g. --same-training 50: ours against speculators'
+#     trainer on the same batches) after the dtype check
+#
+# Regeneration leases both GPUs; training and evaluation lease one each, so a side check takes
+# the other through the same GPU locks (.snakemake/gpu_locks) and never shares a device with a
+# workflow job (whose NVML memory readings it would disturb).
+#
+# On the device machine, after bench/gpu_setup.sh install and install-data (BENCHMARKS.md):
+#   bench/smollm2_campaign.sh start     # returns at once; the build runs in its own session
+#   bench/smollm2_campaign.sh wait 540  # up to 540 s for it to end; then copies the small
+#                                       # outputs (reports, logs, benchmarks, checks) to $OUT
+# Outputs go to $CAMPAIGN (default /tmp/campaign), never into the repository copy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+C=${CAMPAIGN:-/tmp/campaign}
+R=results/${RUN_NAME:-smollm2-gpu}
+CONFIGS=${CONFIGS:-configs/smollm2-gpu.yaml configs/overlays/regen-2-gpus.yaml}
+PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
+METHOD=${METHOD:-replay} # of the draft check: replay or decode
+# e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
+TRAIN_ARGS=${TRAIN_ARGS:-}
+# (a rehearsal on a CPU: CUDA_VISIBLE_DEVICES=0,1 gives the locks two "GPUs", and
+#  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
+#  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
+
+side() { # NAME COMMAND...: on one GPU leased through the workflow's locks, logged in $C
+  local name=$1
+  shift
+  echo "$(date +%T) $name: start" >>"$C/status"
+  if python3 -m eagle3lib.gpu run --gpus 1 --record "$C/$name.gpu.json" --rule "$name" \
+    --log "$C/$name.log" -- "$@"; then
+    echo "$(date +%T) $name: done" >>"$C/status"
+  else
+    echo "$(date +%T) $name: FAILED ($?)" >>"$C/status"
+  fi
+}
+
+until_exists() { # PATH: wait until it exists (true) or the build has ended without it (false)
+  while [ ! -e "$1" ]; do
+    kill -0 "$SM" 2>/dev/null || return 1
+    sleep 5
+  done
+}
+
+case "${1:-}" in
+start)
+  rm -rf "$C" && mkdir -p "$C"
+  echo "serve_check: {enabled: false}" >"$C/noserve.yaml" # the GPU image has no vLLM
+  setsid nohup bash "$0" run >"$C/campaign.log" 2>&1 </dev/null &
+  echo "started; outputs in $C"
+  ;;
+run)
+  echo "$(date +%T) build: start" >>"$C/status"
+  # shellcheck disable=SC2086
+  python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu=2 \
+    >"$C/snakemake.log" 2>&1 &
+  SM=$!
+  if until_exists "$R/logs/train.log"; then
+    side dtype python3 bench/acceptance_gap.py dtype --run "$R" --prompts "$PROMPTS" \
+      --json "$C/dtype.json"
+  fi
+  if [ -n "$TRAIN_ARGS" ]; then
+    # shellcheck disable=SC2086
+    side bench_train python3 bench/train.py $TRAIN_ARGS --out "$C/bench-train"
+  fi
+  if until_exists "$R/reports/checkpoint.json"; then
+    side draft python3 bench/acceptance_gap.py draft --run "$R" --prompts "$PROMPTS" \
+      --method "$METHOD" --k 3 5 --json "$C/draft.json"
+  fi
+  rc=0
+  wait "$SM" || rc=$?
+  echo "$(date +%T) build: exit $rc" >>"$C/status"
+  touch "$C/done"
+  ;;
+wait)
+  end=$((SECONDS + ${2:-540}))
+  while [ ! -e "$C/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  # one archive: a call brings back only a few files, and none of the big ones
+  small=()
+  for f in reports logs benchmarks train/summary.json regenerated/regenerate.json \
+    hidden_states/shard-0.json; do
+    test -e "$R/$f" && small+=("$R/$f")
+  done
+  tar -czf "${OUT:?}/campaign.tgz" --exclude "*.safetensors" --exclude "bench-train/*/*" \
+    "$C" "${small[@]}" 2>/dev/null || true
+  ls -l "$OUT/campaign.tgz"
+  cat "$C/status"
+  grep -E "steps|Error|error" "$C/snakemake.log" | tail -3 || true
+  df -h . | tail -1
+  ;;
+*)
+  echo "usage: $0 start | wait [SECONDS]" >&2
+  exit 2
+  ;;
+esac
