@@ -63,7 +63,7 @@ def heldout_prompts(trained: list[str], n: int, tokenizer, max_prompt_tokens: in
     seen = {conversation_of(i) for i in trained}
     records = list(read_records(resolve_package_path(SHAREGPT), allow_truncated_json=True))
     ids = [str(r.get("id", line)) if isinstance(r, dict) else str(line) for line, r in records]
-    last = max(i for i, rid in enumerate(ids) if conversation_of(rid) in seen)
+    last = max((i for i, rid in enumerate(ids) if conversation_of(rid) in seen), default=-1)
     out = []
     for (line, record), rid in zip(records[last + 1 :], ids[last + 1 :], strict=True):
         if conversation_of(rid) in seen:
