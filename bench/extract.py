@@ -161,7 +161,10 @@ def one_job(args) -> dict:
     lengths = draw_lengths(args.tokens, args.seed, args.max_len)
     rng = np.random.default_rng(args.seed + 1)
     samples = [rng.integers(0, shape["vocab_size"], n).astype(np.int64) for n in lengths]
-    cfg = ExtractConfig(batch_tokens=args.batch_tokens, storage=args.storage)
+    compile_setting = {"true": True, "false": False}[args.compile]
+    cfg = ExtractConfig(
+        batch_tokens=args.batch_tokens, storage=args.storage, compile=compile_setting
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shard = out / f"bench-shard-{os.getpid()}.safetensors"
@@ -255,6 +258,8 @@ def one_job(args) -> dict:
         "hash_seconds": round(stats["hash_seconds"], 2),
         "sha256_matches_file": hash_ok,
         "producer_stall_seconds": round(stats["stall_seconds"], 2),
+        "compiled": stats["compiled"],
+        "compile_seconds": stats["compile_seconds"],
         "start": t,
         "end": t + wall,
     }
@@ -270,6 +275,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--storage", choices=("bf16", "fp8"), default="bf16", help="extract.storage")
     p.add_argument("--skip-forward", action="store_true", help="no forward-only passes")
+    p.add_argument("--compile", choices=("true", "false"), default="false", help="extract.compile")
     p.add_argument("--jobs", type=int, default=1, help="shard jobs at once, one GPU lease each")
     p.add_argument("--gpus-per-job", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -192,7 +192,12 @@ def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dic
             "max_length": a.max_length,
             "on_invalid_record": "skip",
         },
-        "extract": {"shards": a.shards, "gpus_per_job": gpu, "storage": a.storage},
+        "extract": {
+            "shards": a.shards,
+            "gpus_per_job": gpu,
+            "storage": a.storage,
+            "compile": {"true": True, "false": False}[a.compile],
+        },
         "train": {"epochs": a.epochs, "gpus": a.gpus if not a.smoke else 0},
         "evaluate": {
             "k": 3,
@@ -259,6 +264,8 @@ def collect(run_dir: Path) -> dict:
                 write_seconds=stats["write_seconds"],
                 hash_seconds=stats.get("hash_seconds"),
                 stall_seconds=stats["stall_seconds"],
+                compiled=stats.get("compiled"),
+                compile_seconds=stats.get("compile_seconds"),
                 phases=stats.get("phases"),
                 start=gpu["before"].get("time"),
                 end=gpu["after"].get("time"),
@@ -314,6 +321,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--storage", choices=("bf16", "fp8"), default="bf16", help="extract.storage")
     p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--compile", choices=("true", "false"), default="false", help="extract.compile")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--run", default="wf8b")
@@ -377,6 +385,7 @@ def main() -> None:
         out = a.work / "bench_extract.json"
         cmd = [sys.executable, str(ROOT / "bench" / "extract.py"), "--tokens", str(a.bench_tokens)]
         cmd += ["--json", str(out), "--out", str(a.work / "bench"), "--storage", a.storage]
+        cmd += ["--compile", a.compile, "--skip-forward"]
         cmd += ["--smoke"] if a.smoke else []
         log("isolated extraction: " + " ".join(cmd[1:]))
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -168,6 +168,7 @@ class ExtractConfig:
     backend: str = "hf"
     concurrency: int = 8
     storage: str = "bf16"
+    compile: bool = False
 
     def __post_init__(self):
         errors = aux_layer_errors(self.aux_layers)

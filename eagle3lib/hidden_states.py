@@ -11,6 +11,7 @@ batch computes. ``Capture`` (the hooks that keep those states) is also what eval
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -164,6 +165,31 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def warm_compiled(decoder, capture: Capture, samples, device) -> None:
+    """Compile on a slice of the shard (two samples, at most 32 tokens); a failure stops the
+    job naming extract.compile."""
+    try:
+        forward_batch(decoder, capture, [s[:32] for s in samples[:2]], device)
+    except Exception as exc:  # dynamo, inductor or a missing compiler: many exception types
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UserError(
+            f"extract.compile: torch.compile failed on this verifier ({reason}); "
+            "set extract.compile: false"
+        ) from None
+
+
+def _compile_for_job(stack, model, decoder, capture, samples, device, wanted: bool) -> dict:
+    """Enter compiled_layers on ``stack`` (extract.compile: true) and compile."""
+    from eagle3lib.verifier import compiled_layers
+
+    if not wanted:
+        return {"compiled": False, "compile_seconds": 0.0}
+    t0 = time.perf_counter()
+    stack.enter_context(compiled_layers(model))
+    warm_compiled(decoder, capture, samples, device)
+    return {"compiled": True, "compile_seconds": round(time.perf_counter() - t0, 2)}
+
+
 def extract_samples(
     model,
     samples: Sequence[np.ndarray],
@@ -186,28 +212,31 @@ def extract_samples(
     padded = sum(len(b) * lengths[b[0]] for b in batches) - layout.tokens
     decoder = text_decoder(model)  # the language model alone: no vision tower, no LM head
     capture = Capture(decoder_layers(model), aux)
-    writer = ShardWriter(
-        shard_path,
-        layout,
-        metadata,
-        device=device,
-        max_batch_rows=max(len(b) * lengths[b[0]] for b in batches),
-    )
-    if phases:
-        phases.mark("shard writer ready")
-    t0 = time.perf_counter()
-    try:
-        work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
-        for batch in iter_progress(work, layout.tokens):
-            states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
-            writer.put_batch(batch, states, [lengths[i] for i in batch])
-        sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        capture.remove()
-    return writer_stats(writer, time.perf_counter() - t0, padded, sha256)
+    with contextlib.ExitStack() as stack:
+        stack.callback(capture.remove)
+        compiling = _compile_for_job(stack, model, decoder, capture, samples, device, cfg.compile)
+        if phases and compiling["compiled"]:
+            phases.mark("layers compiled")
+        writer = ShardWriter(
+            shard_path,
+            layout,
+            metadata,
+            device=device,
+            max_batch_rows=max(len(b) * lengths[b[0]] for b in batches),
+        )
+        if phases:
+            phases.mark("shard writer ready")
+        t0 = time.perf_counter()
+        try:
+            work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
+            for batch in iter_progress(work, layout.tokens):
+                states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
+                writer.put_batch(batch, states, [lengths[i] for i in batch])
+            sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
+        except BaseException:
+            writer.abort()
+            raise
+    return {**writer_stats(writer, time.perf_counter() - t0, padded, sha256), **compiling}
 
 
 def writer_stats(writer: ShardWriter, seconds: float, padded: int, sha256: str) -> dict[str, Any]:
@@ -296,6 +325,7 @@ def _manifest(
         "rejected": rejected,
         "input_hash": digest,
         **spec,
+        "compiled": stats.get("compiled", False),  # decoder layers under torch.compile
         "file": {"name": path.name, "bytes": path.stat().st_size, "sha256": stats.pop("sha256")},
     }
 

@@ -6,6 +6,7 @@ find the verifier, so changing the verifier changes that file and re-runs what d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -330,6 +331,29 @@ def device_map_for_job():
     if not torch.cuda.is_available():
         return None
     return "auto" if torch.cuda.device_count() > 1 else {"": 0}
+
+
+@contextlib.contextmanager
+def compiled_layers(model):
+    """Each decoder layer's forward under torch.compile (dynamic shapes) inside the block; the
+    eager forwards are put back on leaving it. Hooks on the layers still run (eagerly, around
+    the compiled forward). Compilation happens at the first call, where its errors surface."""
+    import torch
+
+    layers = decoder_layers(model)
+    # one compiled graph per layer object (and per batch-size-1 specialisation)
+    limit = 4 * len(layers) + 8
+    for key in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, key):  # noqa: SLF001
+            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))  # noqa: SLF001
+    originals = [layer.forward for layer in layers]
+    try:
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = torch.compile(forward, dynamic=True)
+        yield layers
+    finally:
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = forward
 
 
 def decoder_layers(model):

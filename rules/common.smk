@@ -250,6 +250,13 @@ def section(name, drop=GPU_COUNTS):
     return json.dumps(values, sort_keys=True)
 
 
+def extract_section():
+    """The extract section as its rule's parameter; compile only when on, so that runs made
+    before the key existed stay current."""
+    off = () if config["extract"]["compile"] else ("compile",)
+    return section("extract", drop=GPU_COUNTS + off)
+
+
 def train_section():
     """The train section as its rule's parameter: GPU, node and loader-thread counts are
     resources (like the GPUs of one node, the nodes set how many processes share the work).
@@ -515,7 +522,7 @@ def stamp(job):
         ),
         "extract": (
             {
-                "extract": json.loads(section("extract")),
+                "extract": json.loads(extract_section()),
                 "vllm": json.loads(extract_engine()["engine"]),
             },
             {},

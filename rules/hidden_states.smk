@@ -21,7 +21,7 @@ rule extract:
     resources:
         gpu=gpu_count("extract"),
     params:
-        extract=section("extract"),
+        extract=extract_section(),
         stamp=stamp("extract"),
         engine=extract_engine()["engine"],
         python=extract_engine()["python"],

@@ -362,3 +362,67 @@ def test_disk_estimate_line():
     assert disk_estimate(4096, 4, "fp8").endswith(
         "; 164 GB per 10 M tokens (prepare counts the tokens)"
     )
+
+
+def _shard_states(path):
+    shard = shards.open_shard(path)
+    return torch.cat([shard.sample(j)["hidden_states"].float() for j in range(len(shard))])
+
+
+@pytest.mark.slow
+def test_compiled_layers_give_eager_states_and_reproducible_shards(
+    extracted, verifier_record, tmp_path
+):
+    """extract.compile: true (on the CPU here): torch.compile of each decoder layer stores the
+    eager states up to bf16 rounding, byte for byte the same twice."""
+    tmp, samples, ids, cfg, _ = extracted
+    assert read_json(tmp / "shard-1.json")["compiled"] is False  # the default
+    compiled = ExtractConfig(shards=cfg.shards, batch_tokens=cfg.batch_tokens, compile=True)
+    paths = [tmp_path / f"c{i}.safetensors" for i in range(2)]
+    for path in paths:
+        stats = hidden_states.extract_shard(
+            samples, ids, 1, compiled, verifier_record, path, path.with_suffix(".json")
+        )
+        assert stats["compiled"] is True and read_json(path.with_suffix(".json"))["compiled"]
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    eager = _shard_states(tmp / "shard-1.safetensors")
+    # fp32 compute either way; a fused kernel may round the last fp32 bit differently, which
+    # can move a value to the neighbouring bf16 number (relative step 2**-8)
+    torch.testing.assert_close(_shard_states(paths[0]), eager, rtol=2**-7, atol=1e-5)
+
+
+def test_failed_compilation_names_the_key_and_writes_nothing(
+    extracted, verifier_record, tmp_path, monkeypatch
+):
+    tmp, samples, ids, cfg, _ = extracted
+
+    def broken(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no C++ compiler found\nmore detail")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    compiled = ExtractConfig(shards=cfg.shards, batch_tokens=cfg.batch_tokens, compile=True)
+    with pytest.raises(UserError, match=r"extract.compile: .*\(no C\+\+ compiler found\); set "):
+        hidden_states.extract_shard(
+            samples,
+            ids,
+            1,
+            compiled,
+            verifier_record,
+            tmp_path / "x.safetensors",
+            tmp_path / "x.json",
+        )
+    assert not list(tmp_path.glob("x.*"))  # nothing half-written
+
+
+def test_compiled_layers_put_the_eager_forwards_back(verifier_model):
+    from eagle3lib.verifier import compiled_layers
+
+    layers = decoder_layers(verifier_model)
+    eager = [layer.forward for layer in layers]
+    with pytest.raises(KeyError), compiled_layers(verifier_model):
+        assert all(layer.forward != f for layer, f in zip(layers, eager, strict=True))
+        raise KeyError("a failing job")
+    assert [layer.forward for layer in layers] == eager
