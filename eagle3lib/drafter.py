@@ -35,6 +35,14 @@ class Drafter:
         self.cache = DynamicCache()
         self.ids: torch.Tensor | None = None  # token ids of the cached positions
 
+    def vocabulary(self) -> set[int] | None:
+        """The verifier token ids this draft can propose; None: all of them (no d2t map)."""
+        if self.d2t is None:
+            return None
+        return set(
+            self.to_verifier_ids(torch.arange(len(self.d2t), device=self.d2t.device)).tolist()
+        )
+
     def to_verifier_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:
             return draft_ids

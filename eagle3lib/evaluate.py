@@ -363,12 +363,30 @@ def evaluate(
     }
 
 
+def out_of_draft_vocab(texts: list[list[int]], vocabulary: set[int] | None) -> float | None:
+    """The share of the verifier's generated tokens the draft cannot propose (not in its
+    vocabulary): positions where a proposal is rejected whatever the draft learnt."""
+    tokens = [t for text in texts for t in text]
+    if not tokens:
+        return None
+    if vocabulary is None:
+        return 0.0
+    return sum(t not in vocabulary for t in tokens) / len(tokens)
+
+
 def _set_runs(model, tokenizer, capture, drafter, eval_set, ks, cfg, eos, log) -> list[dict]:
-    """One eval set's results, one per k, by ``cfg.method``."""
+    """One eval set's results, one per k, by ``cfg.method``, with the share of its generated
+    tokens outside the draft's vocabulary."""
     prompts = eval_set["prompts"]
     if cfg.method == "replay":
-        return _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log)
-    return [_decode_set(model, capture, drafter, prompts, k, cfg, eos, log) for k in ks]
+        runs = _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log)
+    else:
+        runs = [_decode_set(model, capture, drafter, prompts, k, cfg, eos, log) for k in ks]
+    vocabulary = drafter.vocabulary()
+    for run in runs:
+        texts = [record["tokens"] for record in run["per_prompt"]]
+        run["out_of_draft_vocab"] = out_of_draft_vocab(texts, vocabulary)
+    return runs
 
 
 def _set_result(eval_set: dict[str, Any], run: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -389,6 +407,7 @@ def _run_line(name: str, run: dict[str, Any]) -> str:
         + ", ".join(f"{p:.3f}" for p in run["per_position_acceptance"])
         + " per token (teacher-forced) "
         + ", ".join(fmt(p, 3) for p in run["per_token_accuracy"])
+        + f" out of the draft's vocabulary {fmt(run['out_of_draft_vocab'], 3)}"
     )
 
 

@@ -37,7 +37,8 @@ def validation_accuracy(training: dict[str, Any]) -> list[float]:
 
 
 def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
-    """[eval set, k, acceptance length, per-position acceptance, prompts, steps] per result."""
+    """[eval set, k, acceptance length, per-position acceptance, per-token accuracy, share of
+    generated tokens outside the draft's vocabulary, prompts, steps] per result."""
     return [
         [
             r["eval_set"],
@@ -45,6 +46,7 @@ def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
             fmt(r["acceptance_length"], 4),
             positions(r["per_position_acceptance"]),
             positions(r.get("per_token_accuracy")),
+            fmt(r.get("out_of_draft_vocab")),
             r["prompts"],
             r["steps"],
         ]
@@ -58,6 +60,7 @@ ACCEPTANCE_HEADERS = [
     "acceptance length",
     "per position",
     "per token (teacher-forced)",
+    "outside the draft's vocabulary",
     "prompts",
     "steps",
 ]

@@ -366,6 +366,7 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
         "accepted_tokens",
         "per_position_acceptance",
         "per_token_accuracy",
+        "out_of_draft_vocab",
     )
     assert [[r[k] for k in keys] for r in replay["results"]] == [
         [r[k] for k in keys] for r in decode["results"]
@@ -418,3 +419,17 @@ def test_report_flags_any_eval_set_and_k_whose_greedy_text_is_off():
     assert problem == (
         "acceptance (mtbench k=5): 2 prompt(s) decoded differently from verifier-only greedy decoding"
     )
+
+
+def test_out_of_draft_vocab_share_counts_tokens_the_draft_cannot_propose(draft):
+    """The draft's vocabulary is its t2d mask; the share is over every generated token."""
+    from eagle3lib.drafter import Drafter
+
+    vocabulary = Drafter(draft).vocabulary()
+    assert vocabulary == set(torch.nonzero(draft.t2d).flatten().tolist())
+    assert len(vocabulary) == len(draft.d2t) == 256
+    outside = next(t for t in range(len(draft.t2d)) if t not in vocabulary)
+    inside = sorted(vocabulary)[:3]
+    assert evaluate.out_of_draft_vocab([inside, [outside]], vocabulary) == 0.25
+    assert evaluate.out_of_draft_vocab([inside], None) == 0.0  # no map: the full vocabulary
+    assert evaluate.out_of_draft_vocab([[], []], vocabulary) is None
