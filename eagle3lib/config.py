@@ -92,6 +92,7 @@ class RegenerateConfig:
     chunk_size: int = 64
     max_turns: int | None = None
     kv_cache: str = "static"
+    compile: bool = False
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -122,8 +122,13 @@ def regenerate_chunk(
     ]
 
 
-def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
-    """Batched greedy/sampled generation with the HF verifier (left padding)."""
+def hf_generate(
+    model, tokenizer, cfg: RegenerateConfig, prompt_width: int | None = None
+) -> Generate:
+    """Batched greedy/sampled generation with the HF verifier (left padding). With
+    ``cfg.compile`` (static cache) every call has one shape, ``cfg.batch_size`` rows (filler
+    rows repeat the batch's first prompt; their output is dropped) left-padded to
+    ``prompt_width`` tokens, so that generate's compiled decoding compiles once."""
     import torch
 
     device = model.get_input_embeddings().weight.device
@@ -133,8 +138,9 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
     # A static KV cache is written in place; the dynamic one is concatenated every step. On an
     # H200 (SmolLM2-135M, 256 new tokens) that is 45 vs 85 ms a step at batch 512 and 161 vs
     # 200 ms at 2048 (BENCHMARKS.md). generate's auto-compile is off: it recompiles per shape.
+    fixed = cfg.compile and cfg.kv_cache == "static"
     cache = (
-        {"cache_implementation": "static", "disable_compile": True}
+        {"cache_implementation": "static", "disable_compile": not fixed}
         if cfg.kv_cache == "static"
         else {}
     )
@@ -145,9 +151,13 @@ def hf_generate(model, tokenizer, cfg: RegenerateConfig) -> Generate:
         for start in range(0, len(order), cfg.batch_size):
             batch = order[start : start + cfg.batch_size]
             width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, i in enumerate(batch):
+            rows = batch
+            if fixed:
+                width = max(width, prompt_width or 0)
+                rows = batch + [batch[0]] * (cfg.batch_size - len(batch))
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.as_tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
             with torch.inference_mode():

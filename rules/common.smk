@@ -250,6 +250,13 @@ def section(name, drop=GPU_COUNTS):
     return json.dumps(values, sort_keys=True)
 
 
+def regenerate_section():
+    """The regenerate section as its rule's parameter: GPU and worker counts are resources;
+    compile only when on, so that runs made before the key existed stay current."""
+    off = () if config["regenerate"]["compile"] else ("compile",)
+    return section("regenerate", drop=("gpus", "enabled", "workers", *off))
+
+
 def extract_section():
     """The extract section as its rule's parameter; compile only when on, so that runs made
     before the key existed stay current."""
@@ -510,7 +517,7 @@ def stamp(job):
             {
                 "data": json.loads(regenerate_data()),
                 "regenerate": json.loads(
-                    section("regenerate", drop=("gpus", "enabled", "workers"))
+                    regenerate_section()
                 ),
                 "vllm": json.loads(section("vllm")),
             },

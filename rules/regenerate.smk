@@ -23,7 +23,7 @@ rule regenerate:
     params:
         data=regenerate_data(),
         stamp=stamp("regenerate"),
-        regenerate=section("regenerate", drop=("gpus", "enabled", "workers")),
+        regenerate=regenerate_section(),
         engine=section("vllm"),
         python=vllm_python(),
         work=REGENERATE_WORK,

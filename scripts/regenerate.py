@@ -138,7 +138,8 @@ def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model = load_model(record, resolve_dtype("auto", device), device_map=device_map_for_job())
-    return run(rg.hf_generate(model, tokenizer, cfg))
+    width = json.loads(a.data)["max_length"]  # a prompt is shorter (longer ones are skipped)
+    return run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width))
 
 
 if __name__ == "__main__":

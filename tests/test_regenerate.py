@@ -117,11 +117,31 @@ def test_original_assistant_turns_are_dropped(tmp_path):
         rg.read_conversations(tiny.write_jsonl(tmp_path / "e.jsonl", []), None, False, "error")
 
 
-@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
-def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokenizer, kv_cache):
-    """Batched, left-padded, with either KV cache: the same tokens as one prompt at a time."""
-    cfg = RegenerateConfig(max_new_tokens=8, batch_size=2, kv_cache=kv_cache)
-    generate = rg.hf_generate(verifier_model, tokenizer, cfg)
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic", "static, one shape"])
+def test_hf_backend_replies_are_the_verifiers_greedy_text(
+    verifier_model, tokenizer, kv_cache, monkeypatch
+):
+    """Batched, left-padded, with either KV cache: the same tokens as one prompt at a time.
+    "one shape" is regenerate.compile's: every call 4 rows (filler rows) of 48 tokens (HF
+    compiles the decoding only on a GPU; here the shapes are what is checked)."""
+    fixed = kv_cache == "static, one shape"
+    cfg = RegenerateConfig(
+        max_new_tokens=8,
+        batch_size=4 if fixed else 2,
+        kv_cache=kv_cache.split(",")[0],
+        compile=fixed,
+    )
+    shapes = []
+    forward = verifier_model.forward
+
+    def recording(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # the prefill of one generate call
+            shapes.append(tuple(ids.shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(verifier_model, "forward", recording)
+    generate = rg.hf_generate(verifier_model, tokenizer, cfg, prompt_width=48 if fixed else None)
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": t}],
@@ -132,6 +152,9 @@ def test_hf_backend_replies_are_the_verifiers_greedy_text(verifier_model, tokeni
         for t in ("Tell me about the model", "Why", "Write three numbers please now")
     ]
     batched = generate(prompts)
+    monkeypatch.undo()
+    longest = max(map(len, prompts))
+    assert shapes == ([(4, 48)] if fixed else [(2, longest), (1, len(prompts[1]))])
     for prompt, new in zip(prompts, batched, strict=True):
         with torch.no_grad():
             ref = verifier_model.generate(
