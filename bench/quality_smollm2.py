@@ -130,7 +130,8 @@ def smoke(out: Path, gpus: int = 1) -> int:
 def generate_speed() -> None:
     """HF batched generate of a random model of SmolLM2-135M's shape, left-padded prompts of
     mixed length as regeneration sends them: seconds per decode step with the dynamic KV cache
-    (what regenerate uses), a static cache, and a static cache with generate's auto-compile."""
+    (what regenerate used), a static cache, and a static cache with generate's auto-compile;
+    then regenerate.compile as the regenerate job runs it (regenerate_compile_speed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -179,6 +180,39 @@ def generate_speed() -> None:
                     flush=True,
                 )
                 torch.cuda.reset_peak_memory_stats()
+    regenerate_compile_speed(model)
+
+
+def regenerate_compile_speed(model) -> None:
+    """regenerate.compile as the regenerate job runs it (eagle3lib.regenerate.hf_generate):
+    one shape per call, so the second call and a call of other prompts reuse the first's
+    compiled decoding. Prompts of 64-512 random tokens, at most 256 new ones (a random model
+    may end a reply early at token 0)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eagle3lib.config import RegenerateConfig
+    from eagle3lib.regenerate import hf_generate
+
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    for batch in (2048, 512):
+        for compiled in (False, True):
+            cfg = RegenerateConfig(max_new_tokens=256, batch_size=batch, compile=compiled)
+            generate = hf_generate(model, tokenizer, cfg, prompt_width=512)
+            for attempt, rows in (("first", batch), ("again", batch), ("other prompts", batch - 7)):
+                lengths = torch.randint(64, 513, (rows,)).tolist()
+                prompts = [torch.randint(100, 49000, (n,)).tolist() for n in lengths]
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out = generate(prompts)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+                print(
+                    f"regenerate.compile={compiled} batch={batch} {attempt}: {dt:6.1f} s, "
+                    f"{sum(map(len, out)) / dt:>9,.0f} new tokens/s",
+                    flush=True,
+                )
 
 
 def table(results: Path, out: Path | None) -> str:
