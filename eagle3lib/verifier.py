@@ -341,19 +341,24 @@ def compiled_layers(model):
     import torch
 
     layers = decoder_layers(model)
-    # one compiled graph per layer object (and per batch-size-1 specialisation)
+    # The layers share one compiled graph where dynamo inlines the modules (torch's default);
+    # room for an entry per layer object and per batch-size-1 specialisation where it cannot.
     limit = 4 * len(layers) + 8
     for key in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, key):  # noqa: SLF001
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))  # noqa: SLF001
-    originals = [layer.forward for layer in layers]
+    # an instance attribute already there (accelerate's hooks put one) is put back as it was
+    own = [layer.__dict__.get("forward") for layer in layers]
     try:
-        for layer, forward in zip(layers, originals, strict=True):
-            layer.forward = torch.compile(forward, dynamic=True)
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
         yield layers
     finally:
-        for layer, forward in zip(layers, originals, strict=True):
-            layer.forward = forward
+        for layer, forward in zip(layers, own, strict=True):
+            if forward is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = forward
 
 
 def decoder_layers(model):

@@ -516,9 +516,7 @@ def stamp(job):
         "regenerate": (
             {
                 "data": json.loads(regenerate_data()),
-                "regenerate": json.loads(
-                    regenerate_section()
-                ),
+                "regenerate": json.loads(regenerate_section()),
                 "vllm": json.loads(section("vllm")),
             },
             train_data,

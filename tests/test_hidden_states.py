@@ -371,10 +371,17 @@ def _shard_states(path):
 
 @pytest.mark.slow
 def test_compiled_layers_give_eager_states_and_reproducible_shards(
-    extracted, verifier_record, tmp_path
+    extracted, verifier_record, tmp_path, monkeypatch
 ):
     """extract.compile: true (on the CPU here): torch.compile of each decoder layer stores the
-    eager states up to bf16 rounding, byte for byte the same twice."""
+    eager states up to fp32 rounding, and the same bytes twice in one process (one compiled
+    code; a fresh compilation elsewhere may round differently). Inductor's cache is this
+    test's own, and it compiles in this process: its parallel C++ workers have been seen to
+    race for a precompiled header of a fresh cache (a CPU-only path: GPUs compile Triton)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     tmp, samples, ids, cfg, _ = extracted
     assert read_json(tmp / "shard-1.json")["compiled"] is False  # the default
     compiled = ExtractConfig(shards=cfg.shards, batch_tokens=cfg.batch_tokens, compile=True)
@@ -386,9 +393,10 @@ def test_compiled_layers_give_eager_states_and_reproducible_shards(
         assert stats["compiled"] is True and read_json(path.with_suffix(".json"))["compiled"]
     assert paths[0].read_bytes() == paths[1].read_bytes()
     eager = _shard_states(tmp / "shard-1.safetensors")
-    # fp32 compute either way; a fused kernel may round the last fp32 bit differently, which
-    # can move a value to the neighbouring bf16 number (relative step 2**-8)
-    torch.testing.assert_close(_shard_states(paths[0]), eager, rtol=2**-7, atol=1e-5)
+    # fp32 compute either way; fused kernels round differently in the last fp32 bits, which
+    # the 8 random layers amplify (up to 6e-5 seen on values near zero, where a bf16 step is
+    # relatively large); inductor's fresh compilations have not always chosen the same kernels
+    torch.testing.assert_close(_shard_states(paths[0]), eager, rtol=2**-7, atol=2e-4)
 
 
 def test_failed_compilation_names_the_key_and_writes_nothing(
@@ -426,3 +434,4 @@ def test_compiled_layers_put_the_eager_forwards_back(verifier_model):
         assert all(layer.forward != f for layer, f in zip(layers, eager, strict=True))
         raise KeyError("a failing job")
     assert [layer.forward for layer in layers] == eager
+    assert all("forward" not in layer.__dict__ for layer in layers)  # no instance attribute left
