@@ -19,14 +19,13 @@ Every variant's captured states on 8 samples are compared with eager's (max abs,
 eager's with a one-sample forward (the exactness check extraction is held to). With ``--probe``
 the verifier is also written as safetensors and fresh processes time what a job pays before
 its first batch: interpreter and torch import, transformers' model classes, CUDA start, and
-``from_pretrained`` onto the GPU. Prints a table and ``key = value`` lines; --json has it all.
+``from_pretrained`` onto the GPU (bench/workflow_gpu.py's probe). Prints a table and ``key = value`` lines; --json has it all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,23 +43,6 @@ from eagle3lib.hidden_states import Capture, forward_states, length_batches  # n
 from eagle3lib.verifier import decoder_layers, text_decoder  # noqa: E402
 
 VARIANTS = ("eager", "norm", "mlp", "norm+mlp", "layer", "fused_gate_up+norm")
-
-PROBE = r"""
-import json, sys, time
-t0 = time.perf_counter()
-import torch
-t_torch = time.perf_counter()
-import transformers
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
-t_tf = time.perf_counter()
-torch.zeros(1, device="cuda"); torch.cuda.synchronize()
-t_cuda = time.perf_counter()
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map={"": 0})
-torch.cuda.synchronize()
-t_load = time.perf_counter()
-print(json.dumps({"import_torch": t_torch - t0, "import_transformers": t_tf - t_torch,
-                  "cuda_init": t_cuda - t_tf, "from_pretrained": t_load - t_cuda}))
-"""
 
 
 def sync(device) -> None:
@@ -140,23 +122,13 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 
 def probe(model, folder: Path) -> dict:
-    """Fresh processes: what a job pays before its first batch (the weights in page cache)."""
+    """Fresh processes: what a job pays before its first batch (the weights in page cache);
+    the workflow benchmark's probe (bench/workflow_gpu.py probe_load)."""
+    from workflow_gpu import probe_load
+
     t0 = time.perf_counter()
     model.save_pretrained(folder)
-    out = {"save_seconds": time.perf_counter() - t0, "runs": []}
-    for _ in range(2):
-        t0 = time.perf_counter()
-        res = subprocess.run(
-            [sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True
-        )
-        if res.returncode:
-            out["error"] = res.stderr[-2000:]
-            break
-        row = json.loads(res.stdout.splitlines()[-1])
-        row["process_seconds"] = time.perf_counter() - t0
-        out["runs"].append(row)
-        print(f"probe: {json.dumps(row)}", flush=True)
-    return out
+    return {"save_seconds": time.perf_counter() - t0, "runs": probe_load(folder)}
 
 
 def main() -> None:

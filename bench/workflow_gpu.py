@@ -108,6 +108,7 @@ LOAD_PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
+torch_imported = time.perf_counter() - t0
 from transformers import AutoModelForCausalLM
 from safetensors import safe_open
 imported = time.perf_counter() - t0
@@ -126,7 +127,8 @@ else:  # the floor: every tensor of the safetensors files onto the device, nothi
                 n += fh.get_tensor(k).numel()
 if device != "cpu":
     torch.cuda.synchronize()
-print(json.dumps({"how": how, "import_seconds": imported, "device_ready_seconds": ready,
+print(json.dumps({"how": how, "import_torch_seconds": torch_imported,
+                  "import_seconds": imported, "device_ready_seconds": ready,
                   "load_seconds": time.perf_counter() - t0 - ready}))
 """
 

@@ -250,18 +250,22 @@ def section(name, drop=GPU_COUNTS):
     return json.dumps(values, sort_keys=True)
 
 
+def compile_if_off(name):
+    """("compile",) when section ``name``'s compile switch is off: a section carries the key
+    only when it is on, so that runs made before the key existed stay current."""
+    return () if config[name]["compile"] else ("compile",)
+
+
 def regenerate_section():
-    """The regenerate section as its rule's parameter: GPU and worker counts are resources;
-    compile only when on, so that runs made before the key existed stay current."""
-    off = () if config["regenerate"]["compile"] else ("compile",)
-    return section("regenerate", drop=("gpus", "enabled", "workers", *off))
+    """The regenerate section as its rule's parameter: GPU and worker counts are resources."""
+    return section(
+        "regenerate", drop=("gpus", "enabled", "workers", *compile_if_off("regenerate"))
+    )
 
 
 def extract_section():
-    """The extract section as its rule's parameter; compile only when on, so that runs made
-    before the key existed stay current."""
-    off = () if config["extract"]["compile"] else ("compile",)
-    return section("extract", drop=GPU_COUNTS + off)
+    """The extract section as its rule's parameter."""
+    return section("extract", drop=GPU_COUNTS + compile_if_off("extract"))
 
 
 def train_section():
