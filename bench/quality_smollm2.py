@@ -127,33 +127,37 @@ def smoke(out: Path, gpus: int = 1) -> int:
     return 0
 
 
-def generate_speed() -> None:
-    """HF batched generate of a random model of SmolLM2-135M's shape, left-padded prompts of
-    mixed length as regeneration sends them: seconds per decode step with the dynamic KV cache
-    (what regenerate used), a static cache, and a static cache with generate's auto-compile;
-    then regenerate.compile as the regenerate job runs it (regenerate_compile_speed)."""
+def smollm2_shaped_model():
+    """A random model of SmolLM2-135M's shape in bf16 on the GPU."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        rope_theta=100000,
-    )
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train import SMOLLM2  # bench/train.py: the shape its --shape smollm2 trains on
+
+    cfg = LlamaConfig(**{**SMOLLM2, "tie_word_embeddings": True})  # as the real model
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def generate_speed(batches: tuple[int, ...], regenerate_only: bool) -> None:
+    """HF batched generate of a random model of SmolLM2-135M's shape, left-padded prompts of
+    mixed length as regeneration sends them: seconds per decode step with the dynamic KV cache
+    (what regenerate used), a static cache, and a static cache with generate's auto-compile;
+    then regenerate.compile as the regenerate job runs it (regenerate_compile_speed).
+    ``regenerate_only``: only the latter."""
+    import torch
+
+    model = smollm2_shaped_model()
+    if regenerate_only:
+        regenerate_compile_speed(model, batches)
+        return
     variants = {
         "dynamic": {},
         "static": {"cache_implementation": "static", "disable_compile": True},
         "static+compile": {"cache_implementation": "static"},
     }
-    for batch, width, new in ((2048, 512, 256), (512, 512, 256)):
+    for batch, width, new in ((b, 512, 256) for b in batches):
         lengths = torch.randint(64, width + 1, (batch,))
         ids = torch.randint(100, 49000, (batch, width), device="cuda")
         mask = (torch.arange(width)[None] >= (width - lengths)[:, None]).long().cuda()
@@ -180,10 +184,10 @@ def generate_speed() -> None:
                     flush=True,
                 )
                 torch.cuda.reset_peak_memory_stats()
-    regenerate_compile_speed(model)
+    regenerate_compile_speed(model, batches)
 
 
-def regenerate_compile_speed(model) -> None:
+def regenerate_compile_speed(model, batches: tuple[int, ...]) -> None:
     """regenerate.compile as the regenerate job runs it (eagle3lib.regenerate.hf_generate):
     one shape per call, so the second call and a call of other prompts reuse the first's
     compiled decoding. Prompts of 64-512 random tokens, at most 256 new ones (a random model
@@ -192,11 +196,12 @@ def regenerate_compile_speed(model) -> None:
 
     import torch
 
+    sys.path.insert(0, str(ROOT))
     from eagle3lib.config import RegenerateConfig
     from eagle3lib.regenerate import hf_generate
 
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
-    for batch in (2048, 512):
+    for batch in batches:
         for compiled in (False, True):
             cfg = RegenerateConfig(max_new_tokens=256, batch_size=batch, compile=compiled)
             generate = hf_generate(model, tokenizer, cfg, prompt_width=512)
@@ -371,13 +376,17 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--cpu", action="store_true", help="smoke without GPUs")
     p.add_argument("--results", type=Path, default=Path("results"))
+    p.add_argument("--batches", default="2048,512", help="generate-speed: batch sizes")
+    p.add_argument(
+        "--regenerate-only", action="store_true", help="generate-speed: regenerate.compile only"
+    )
     a = p.parse_args()
     if a.mode == "smoke":
         return smoke(a.out or Path("/tmp/quality-smoke"), 0 if a.cpu else 1)
     if a.mode == "fp8-parity":
         return fp8_parity(a.out or Path("/tmp/fp8-parity"), a.parallel, a.epochs, a.cores)
     if a.mode == "generate-speed":
-        generate_speed()
+        generate_speed(tuple(int(b) for b in a.batches.split(",")), a.regenerate_only)
         return 0
     print(table(a.results, a.out))
     return 0

@@ -95,6 +95,17 @@ LLAMA_8B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=False,
 )
+SMOLLM2 = dict(  # SmolLM2-135M-Instruct: the quality preset's verifier (configs/smollm2-gpu.yaml)
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=False,  # the bench verifier stores lm_head on its own
+)
 TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -722,13 +733,21 @@ def main() -> None:
     p.add_argument(
         "--log-every", type=int, default=None, help="log the loss every N steps (loss curves)"
     )
+    p.add_argument(
+        "--shape",
+        choices=["llama-8b", "smollm2"],
+        default="llama-8b",
+        help="verifier shape; smollm2: the quality preset's (sample lengths 256-1024, packs of "
+        "8192 unless --total-seq-len)",
+    )
     p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench-train"))
     args = p.parse_args()
     smoke = args.smoke
     args.samples = args.samples or (48 if smoke else 400)
     args.steps = args.steps or (12 if smoke else 60)
     args.warmup = args.warmup or (3 if smoke else 10)
-    args.total_seq_len = args.total_seq_len or (256 if smoke else 2048)
+    small = args.shape == "smollm2"
+    args.total_seq_len = args.total_seq_len or (256 if smoke else 8192 if small else 2048)
     args.draft_vocab = args.draft_vocab or (128 if smoke else 32000)
     names = [n for n in args.variants.split(",") if n] * args.repeat
     if unknown := sorted({n.removesuffix(CONTEND) for n in names} - set(VARIANTS)):
@@ -740,11 +759,11 @@ def main() -> None:
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = TINY if smoke else LLAMA_8B
+    shape = TINY if smoke else SMOLLM2 if small else LLAMA_8B
     verifier = make_verifier(out / "verifier", shape)
     record = materialize(str(verifier), "bench-verifier", out / "unused")
     rng = np.random.default_rng(0)
-    low, high = (32, 200) if smoke else (256, 2048)
+    low, high = (32, 200) if smoke else (256, 1024) if small else (256, 2048)
     lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
     data = {"bf16": make_shards(out, record, lengths, 4, seed=0)}
     if any(variant(n).storage == "fp8" for n in names):

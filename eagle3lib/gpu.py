@@ -14,6 +14,13 @@ host: device indices are per host, and each record is compared only with itself.
 gets SIGTERM when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
 eagle3lib/lifetime.py).
 
+With ``--share K`` (extract.jobs_per_gpu) up to K jobs hold a device at once, each through one
+of its K slot locks, and take turns at its compute: the wrapper passes the device's lock (the
+one exclusive jobs lease) to the command in ``EAGLE3_GPU_TURN``, and the command holds it
+(``turn``) only while it computes, so one job loads its model while the other extracts. A
+shared device's used memory also moves with the other job, so the record of a shared job
+names as leaks only what the job left running.
+
 With ``--nodes N`` (a train job over N SLURM nodes) the wrapper leases nothing itself: it runs
 the command through one ``srun`` step with one task per node, each task this wrapper again
 (``--per-node``) leasing and recording its node's GPUs, and merges the nodes' records into one
@@ -87,28 +94,74 @@ def device_pool() -> list[int]:
     return list(range(snap.get("device_count", 0)))
 
 
+TURN_ENV = "EAGLE3_GPU_TURN"  # the device locks a sharing job holds while it computes
+# "<rule>:<gpus>:<share>": that rule's jobs ask snakemake for no GPU (so that several run at
+# once) and lease <gpus> shared by <share> jobs; set by the workflow (rules/common.smk)
+GPU_SHARING_ENV = "EAGLE3_GPU_SHARING"
+
+
+def sharing_setting(rule: str, gpus: int, share: int) -> str:
+    return f"{rule}:{gpus}:{share}"
+
+
+def shared_lease(rule: str, env: dict[str, str]) -> tuple[int, int] | None:
+    """(GPUs, jobs per GPU) of ``rule``'s jobs if the workflow shares their GPUs, else None."""
+    name, _, counts = env.get(GPU_SHARING_ENV, "").partition(":")
+    if name != rule:
+        return None
+    gpus, _, share = counts.partition(":")
+    return int(gpus), int(share)
+
+
+def lock_folder(lock_dir: Path) -> Path:
+    """Where the device locks live: per SLURM allocation inside one (device ids are relative to
+    the allocation, so other allocations on the node, same ids, other GPUs, never contend)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        lock_dir = lock_dir / f"slurm-{os.environ['SLURM_JOB_ID']}"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    return lock_dir
+
+
+def device_lock(lock_dir: Path, dev: int) -> Path:
+    """A device's lock: exclusive jobs lease it, sharing jobs hold it for their turn. The host
+    is in the name: lock files may sit on a filesystem shared by several hosts."""
+    return lock_dir / f"{socket.gethostname()}-gpu{dev}.lock"
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 @contextlib.contextmanager
-def lease(n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5) -> Iterator[list[int]]:
-    """Hold exclusive locks on ``n`` devices of ``pool``; wait until that many are free."""
+def lease(
+    n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5, share: int = 1
+) -> Iterator[list[int]]:
+    """Hold ``n`` devices of ``pool``; wait until that many are free. ``share`` 1: the device's
+    own lock, exclusively; above 1, one of its ``share`` slot locks (at most that many jobs
+    hold a device; they take turns at it through ``turn``)."""
     if n == 0:
         yield []
         return
     if n > len(pool):
         raise SystemExit(f"error: job needs {n} GPU(s), the pool has {len(pool)} ({list(pool)})")
-    if os.environ.get("SLURM_JOB_ID"):
-        # Device ids are relative to the SLURM allocation: lock them per allocation, so that
-        # other allocations on the same node (same ids, other GPUs) never contend.
-        lock_dir = lock_dir / f"slurm-{os.environ['SLURM_JOB_ID']}"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    host = socket.gethostname()  # lock files may sit on a filesystem shared by several hosts
+    lock_dir = lock_folder(lock_dir)
+
+    def locks(dev: int) -> list[Path]:
+        if share == 1:
+            return [device_lock(lock_dir, dev)]
+        return [device_lock(lock_dir, dev).with_suffix(f".slot{k}.lock") for k in range(share)]
+
     while True:
         held: list[tuple[int, int]] = []
         for dev in pool:
-            fd = os.open(lock_dir / f"{host}-gpu{dev}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = next((fd for path in locks(dev) if (fd := _try_lock(path)) is not None), None)
+            if fd is None:
                 continue
             held.append((dev, fd))
             if len(held) == n:
@@ -122,6 +175,27 @@ def lease(n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5) -> Ite
         yield [dev for dev, _ in held]
     finally:
         for _, fd in held:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def turn(env: dict[str, str] | None = None) -> Iterator[float]:
+    """A sharing job's turn at its devices (the locks ``EAGLE3_GPU_TURN`` names, in order, so
+    that two sharing jobs never wait on each other crosswise); yields the seconds waited. A
+    job not started as a sharing one (no such variable) does not wait."""
+    paths = [
+        p for p in (env if env is not None else os.environ).get(TURN_ENV, "").split(os.pathsep) if p
+    ]
+    t0 = time.perf_counter()
+    fds = []
+    try:
+        for path in sorted(paths):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield time.perf_counter() - t0
+    finally:
+        for fd in fds:
             os.close(fd)
 
 
@@ -236,13 +310,18 @@ def run(
     lock_dir: Path,
     log: Path | None = None,
     echo: str | None = None,
+    share: int = 1,
 ) -> int:
     """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record.
-    With ``log`` the job's output goes there (and lines matching ``echo`` to the terminal)."""
-    with lease(gpus, device_pool() if gpus else [], lock_dir) as devices:
+    With ``log`` the job's output goes there (and lines matching ``echo`` to the terminal);
+    ``share`` > 1: the devices are shared with that many jobs, taking turns (module doc)."""
+    with lease(gpus, device_pool() if gpus else [], lock_dir, share=share) as devices:
         env = dict(os.environ)
         # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        if share > 1 and devices:
+            folder = lock_folder(lock_dir)
+            env[TURN_ENV] = os.pathsep.join(str(device_lock(folder, d)) for d in devices)
         before = nvml_snapshot(devices or None)
         t0 = time.time()
         proc, pumping = start(argv, env, log, echo)
@@ -266,10 +345,18 @@ def run(
             "before": before,
             "after": after,
             "stray_processes": stragglers,
-            "leaks": leaked(before, after),
+            "shared_by": share if devices else 1,
+            "leaks": job_leaks(before, after, share if devices else 1),
         },
     )
     return 0
+
+
+def job_leaks(before: dict[str, Any], after: dict[str, Any], shared_by: int = 1) -> list[str]:
+    """The leaks a job's record names: a device's growth over the job, unless other jobs shared
+    the device (their memory comes and goes too; what the job left running is recorded as
+    its stray processes either way)."""
+    return leaked(before, after) if shared_by <= 1 else []
 
 
 def run_over_nodes(
@@ -333,6 +420,9 @@ def main(args: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a command on leased GPUs and record NVML memory")
     r.add_argument("--gpus", type=int, default=0)
+    r.add_argument(
+        "--share", type=int, default=1, help="jobs that may hold each leased GPU, taking turns"
+    )
     r.add_argument("--record", type=Path, required=True)
     r.add_argument("--rule", required=True)
     r.add_argument("--lock-dir", type=Path, default=Path(".snakemake/gpu_locks"))
@@ -365,7 +455,10 @@ def main(args: Sequence[str] | None = None) -> int:
         record = ns.record
         if ns.per_node:
             record = multinode.node_record(record, int(os.environ.get("SLURM_NODEID", "0")))
-        return run(command, ns.gpus, record, ns.rule, ns.lock_dir, ns.log, ns.echo)
+        gpus, share = ns.gpus, ns.share
+        if ns.gpus == 0 and (shared := shared_lease(ns.rule, os.environ)):
+            gpus, share = shared  # asked snakemake for no GPU: it shares (GPU_SHARING_ENV)
+        return run(command, gpus, record, ns.rule, ns.lock_dir, ns.log, ns.echo, share)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -12,6 +12,7 @@ batch computes. ``Capture`` (the hooks that keep those states) is also what eval
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -331,7 +332,10 @@ def _manifest(
 
 
 def _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, phases) -> dict:
-    """Load the verifier in ``dtype`` and write the shard from its forward passes."""
+    """Load the verifier in ``dtype`` and write the shard from its forward passes. A job that
+    shares its GPUs (extract.jobs_per_gpu) loads while another extracts, then waits for its
+    turn at them (eagle3lib.gpu.turn)."""
+    from eagle3lib.gpu import TURN_ENV, turn
     from eagle3lib.verifier import device_map_for_job, load_model
 
     # several leased GPUs: the layers are spread over them (a verifier bigger than one)
@@ -339,8 +343,12 @@ def _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, 
     model = load_model(record, dtype, device_map=device_map_for_job())
     load_seconds = time.perf_counter() - t0
     phases.mark("verifier loaded")
-    stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
+    with turn() as waited:
+        if os.environ.get(TURN_ENV):
+            phases.mark("GPU turn")
+        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
     stats["model_load_seconds"] = load_seconds
+    stats["turn_wait_seconds"] = round(waited, 2)
     return stats
 
 

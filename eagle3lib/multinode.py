@@ -56,6 +56,18 @@ def nodes_refusal(
     )
 
 
+def sharing_refusal(jobs_per_gpu: int, executor: str | None) -> str | None:
+    """Why ``extract.jobs_per_gpu`` cannot run with ``executor``, or None: GPU sharing is
+    between jobs of one machine (inside one SLURM allocation too), but the slurm executor gives
+    each job an allocation of its own, and sharing jobs ask snakemake for no GPU."""
+    if jobs_per_gpu <= 1 or executor not in ("slurm", "slurm-jobstep"):
+        return None
+    return (
+        f"config key extract.jobs_per_gpu: {jobs_per_gpu} shares the GPUs of one machine "
+        "between shard jobs; under the slurm executor each job gets GPUs of its own: set it to 1"
+    )
+
+
 def _run(argv: Sequence[str]) -> str:
     try:
         return subprocess.run(argv, check=True, capture_output=True, text=True).stdout

@@ -187,6 +187,7 @@ def setting_problems(
         + _sample_problems(config, samples)
         + _train_device_problems(config)
         + _regenerate_problems(config)
+        + _extract_sharing_problems(config)
     )
     if facts is None:
         return out
@@ -289,6 +290,18 @@ def _regenerate_problems(config: dict[str, Any]) -> list[str]:
         f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
         f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
         "regenerate.workers"
+    ]
+
+
+def _extract_sharing_problems(config: dict[str, Any]) -> list[str]:
+    """extract.jobs_per_gpu against the backend: a vLLM server takes a fixed share of its
+    GPU's memory up front (vllm.gpu_memory_utilization), so two cannot share one."""
+    extract = config["extract"]
+    if extract["jobs_per_gpu"] == 1 or extract["backend"] != "vllm":
+        return []
+    return [
+        f"config key extract.jobs_per_gpu: {extract['jobs_per_gpu']} jobs per GPU need "
+        "extract.backend: hf (each vLLM server reserves its GPU's memory); set it to 1"
     ]
 
 

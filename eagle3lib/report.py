@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.fileio import read_json
-from eagle3lib.gpu import leaked
+from eagle3lib.gpu import job_leaks
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -40,7 +40,7 @@ def gpu_memory_entry(r: dict[str, Any]) -> dict[str, Any]:
                 for b, a in zip(before["devices"], after["devices"], strict=True)
             ],
         )
-    entry["leaks"] = leaked(before, after)
+    entry["leaks"] = job_leaks(before, after, r.get("shared_by", 1))
     entry["stray_processes"] = r.get("stray_processes", False)
     return entry
 

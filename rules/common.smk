@@ -12,7 +12,8 @@ from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
 from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
-from eagle3lib.multinode import nodes_refusal  # noqa: E402
+from eagle3lib.gpu import GPU_SHARING_ENV, sharing_setting  # noqa: E402
+from eagle3lib.multinode import nodes_refusal, sharing_refusal  # noqa: E402
 from eagle3lib.provenance import stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
@@ -234,13 +235,48 @@ def gpu_job(rule, nodes=False, echo=None):
     scripts/gpu_job.py leases the rule's GPUs (its resource gpu), records their memory in its
     output gpu and runs the command on them. ``nodes``: the job may span several nodes;
     ``echo``: the job writes its own log, and lines matching this pattern also go to the
-    terminal."""
+    terminal. Extract jobs that share GPUs ask snakemake for none (extract_gpus); the
+    wrapper finds their lease in the environment (export_gpu_sharing)."""
     node_options = NODE_OPTIONS if nodes else ""
     log_options = f" --log {{log}} --echo '{echo}'" if echo else ""
     return (
         f"exec python {{input.gpu_job}} --gpus {{resources.gpu}}{node_options}"
         f" --rule {rule} --record {{output.gpu}}{log_options} --"
     )
+
+
+def extract_share():
+    """Extract jobs per GPU (extract.jobs_per_gpu) where they have GPUs to share, else 1."""
+    extract = config["extract"]
+    return extract["jobs_per_gpu"] if extract["gpus_per_job"] else 1
+
+
+def extract_gpus():
+    """The extract rule's resource gpu: none for jobs that share GPUs, whose leases (not
+    snakemake's count) cap them at extract.jobs_per_gpu per GPU."""
+    return 0 if extract_share() > 1 else gpu_count("extract")
+
+
+def export_gpu_sharing():
+    """Tell scripts/gpu_job.py, through the environment the jobs inherit, that extract jobs
+    share their GPUs (how many each leases, how many share one): the rule's command stays the
+    same text either way, since a changed command would rerun every shard."""
+    if extract_share() > 1:
+        os.environ[GPU_SHARING_ENV] = sharing_setting(
+            "extract", gpu_count("extract"), extract_share()
+        )
+    else:
+        os.environ.pop(GPU_SHARING_ENV, None)
+
+
+def extract_sharing_allowed(wildcards):
+    """The extract job's input function that adds no input: it stops a run that shares GPUs
+    under the slurm executor (known while the DAG is built) with one line."""
+    plugin = workflow.executor_plugin
+    refusal = sharing_refusal(extract_share(), plugin.name if plugin else None)
+    if refusal:
+        fail(refusal)
+    return []
 
 
 def section(name, drop=GPU_COUNTS):
@@ -265,7 +301,9 @@ def regenerate_section():
 
 def extract_section():
     """The extract section as its rule's parameter."""
-    return section("extract", drop=GPU_COUNTS + compile_if_off("extract"))
+    return section(
+        "extract", drop=GPU_COUNTS + ("jobs_per_gpu",) + compile_if_off("extract")
+    )
 
 
 def train_section():
@@ -636,3 +674,6 @@ if workflow.is_main_process:
     forget_damaged_shards()
     forget_stale_artifacts()
     print_disk_estimate(check_before_jobs())
+
+
+export_gpu_sharing()

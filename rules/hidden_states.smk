@@ -6,6 +6,7 @@ rule extract:
         info=SAMPLES_INFO,
         script=script("extract.py"),
         gpu_job=script("gpu_job.py"),
+        sharing=extract_sharing_allowed,
     output:
         shard=SHARD,
         manifest=SHARD_MANIFEST,
@@ -19,7 +20,7 @@ rule extract:
         "../envs/train.yaml"
     threads: 4
     resources:
-        gpu=gpu_count("extract"),
+        gpu=extract_gpus(),
     params:
         extract=extract_section(),
         stamp=stamp("extract"),

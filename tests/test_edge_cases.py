@@ -354,6 +354,10 @@ CASES = [
          _set(regenerate__enabled=True, regenerate__gpus=3, regenerate__workers=2),
          "config key regenerate.workers: 2 workers cannot share 3 GPU(s) evenly",
          "make regenerate.gpus a multiple of regenerate.workers"),
+    Case("extract-jobs-sharing-a-gpu-with-vllm",
+         _set(extract__backend="vllm", extract__gpus_per_job=1, extract__jobs_per_gpu=2),
+         "config key extract.jobs_per_gpu: 2 jobs per GPU need extract.backend: hf",
+         "set it to 1"),
     # -- input files
     Case("eval-prompt-empty", _eval_file('{"turns": ["  "]}\n'), "{dir}/eval.jsonl:1: empty prompt",
          "write the prompt or remove the line", process=True),

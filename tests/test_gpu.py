@@ -55,15 +55,17 @@ def test_reading_after_a_job_waits_for_the_driver_to_free_memory(monkeypatch):
     assert after == reading(9000.0) and 0.2 <= time.monotonic() - t0 < 2  # a real leak stays
 
 
-def run_job(tmp_path, name, pool, gpus, command):
+def run_job(tmp_path, name, pool, gpus, command, share=1):
     """A gpu_job wrapper process over a fake device pool (CUDA_VISIBLE_DEVICES)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": pool}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": pool, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [
             sys.executable,
             str(ROOT / "scripts" / "gpu_job.py"),
             "--gpus",
             str(gpus),
+            "--share",
+            str(share),
             "--rule",
             name,
             "--record",
@@ -103,6 +105,80 @@ def test_lease_sets_cuda_visible_devices_and_never_shares_a_device(tmp_path):
     record = json.loads((tmp_path / "job0.json").read_text())
     assert record["rule"] == "job0" and record["gpus_requested"] == 1
     assert len(record["devices"]) == 1 and record["stray_processes"] is False
+
+
+def spans(log: Path) -> dict[tuple[str, str], list[float]]:
+    """{(job, what): [start, end]} from lines "<job> <what> start|end <time>"."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for line in log.read_text().splitlines():
+        job, what, kind, t = line.split()
+        out.setdefault((job, what), [0.0, 0.0])[kind == "end"] = float(t)
+    return out
+
+
+def overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_jobs_sharing_a_gpu_hold_it_two_at_a_time_and_take_turns(tmp_path):
+    """One fake device, three jobs that share it by 2 (extract.jobs_per_gpu) and one exclusive
+    job: at most two sharing jobs hold the device at once, the second loads while the first
+    has its turn, turns never overlap, and the exclusive job never runs during a turn."""
+    log = tmp_path / "log"
+    mark = f"lambda what, kind: open({str(log)!r}, 'a').write(f'{{sys.argv[1]}} {{what}} {{kind}} {{time.time()}}\\n')"
+    sharing = (
+        f"import sys, time; from eagle3lib import gpu; m = {mark}; m('held', 'start'); "
+        "time.sleep(0.3)\nwith gpu.turn():\n    m('turn', 'start'); time.sleep(1.0); m('turn', 'end')\n"
+        "m('held', 'end')"
+    )
+    exclusive = (
+        f"import sys, time; m = {mark}; m('turn', 'start'); time.sleep(0.5); m('turn', 'end')"
+    )
+    procs = [
+        run_job(tmp_path, f"s{i}", "0", 1, [sys.executable, "-c", sharing, f"s{i}"], share=2)
+        for i in range(3)
+    ]
+    time.sleep(0.2)
+    procs.append(run_job(tmp_path, "x", "0", 1, [sys.executable, "-c", exclusive, "x"]))
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    got = spans(log)
+    held = [got[(f"s{i}", "held")] for i in range(3)]
+    turns = [got[(job, "turn")] for job in ("s0", "s1", "s2", "x")]
+    assert not any(overlap(a, b) for i, a in enumerate(turns) for b in turns[i + 1 :]), turns
+    for i, h in enumerate(held):  # never three holders at once
+        others = [o for j, o in enumerate(held) if j != i and overlap(h, o)]
+        assert not (len(others) == 2 and overlap(*others)), held
+    first, second = sorted(held)[:2]
+    assert second[0] < first[1] - 0.5  # the second was loading during the first one's turn
+    record = json.loads((tmp_path / "s0.json").read_text())
+    assert record["shared_by"] == 2 and record["devices"] == [0] and record["leaks"] == []
+    assert json.loads((tmp_path / "x.json").read_text())["shared_by"] == 1
+
+
+def test_the_workflow_names_the_rule_whose_jobs_share_their_gpus():
+    env = {gpu.GPU_SHARING_ENV: gpu.sharing_setting("extract", 2, 3)}
+    assert gpu.shared_lease("extract", env) == (2, 3)
+    assert gpu.shared_lease("train", env) is None and gpu.shared_lease("extract", {}) is None
+
+
+def test_a_job_not_started_to_share_takes_no_turn(tmp_path):
+    """Without EAGLE3_GPU_TURN (a CPU job, an exclusive lease) turn() waits for nothing, even
+    while the device's lock is held elsewhere."""
+    lock = tmp_path / "host-gpu0.lock"
+    with gpu.turn({gpu.TURN_ENV: str(lock)}) as waited:
+        assert waited < 1.0
+        with gpu.turn({}) as none:
+            assert none < 0.01
+
+
+def test_a_shared_jobs_record_names_no_leak_from_the_other_jobs_memory():
+    def reading(used):
+        return {"available": True, "devices": [{"index": 0, "used_mib": used, "pids": []}]}
+
+    assert gpu.job_leaks(reading(500.0), reading(17000.0), shared_by=2) == []
+    assert gpu.job_leaks(reading(500.0), reading(17000.0)) == [
+        "GPU 0: 16500 MiB left behind (pids [])"
+    ]
 
 
 def test_two_gpu_job_gets_both_devices(tmp_path):

@@ -34,6 +34,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # ---- planning and command lines ---------------------------------------------------------------
 
 
+def test_extract_jobs_share_gpus_only_outside_the_slurm_executor():
+    refusal = multinode.sharing_refusal(2, "slurm")
+    assert refusal.startswith("config key extract.jobs_per_gpu: 2 shares the GPUs of one")
+    assert refusal.endswith("set it to 1") and multinode.sharing_refusal(2, "slurm-jobstep")
+    for executor in ("local", "dryrun", None):
+        assert multinode.sharing_refusal(2, executor) is None
+    assert multinode.sharing_refusal(1, "slurm") is None
+
+
 def test_several_nodes_need_slurm():
     no_sbatch, sbatch = (lambda _: None), (lambda _: "/usr/bin/sbatch")
     refusal = multinode.nodes_refusal(2, "local", {}, no_sbatch)

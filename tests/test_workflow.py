@@ -450,6 +450,34 @@ def test_deleting_one_shard_rebuilds_that_shard_only(ws):
     assert (ws.results / "hidden_states" / "shard-0.safetensors").stat().st_mtime_ns == shard0_mtime
 
 
+def test_extract_jobs_sharing_a_gpu_take_turns_and_write_the_same_bytes(ws, monkeypatch):
+    """extract.jobs_per_gpu: 2 on one "GPU" (CUDA_VISIBLE_DEVICES=0 gives the locks a device;
+    torch still computes on the CPU here): changing it reruns nothing; the two shard jobs ask
+    snakemake for no GPU, lease device 0 (the workflow tells scripts/gpu_job.py through the
+    environment), each waits for its turn at it, and the shards come out byte for byte as
+    before."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    folder = ws.results / "hidden_states"
+    before = {i: (folder / f"shard-{i}.safetensors").read_bytes() for i in (0, 1)}
+    ws.write(extract={"gpus_per_job": 1, "jobs_per_gpu": 2})
+    try:
+        out = ws.run("-n")
+        assert "Nothing to be done" in out, out
+        for i in (0, 1):
+            (folder / f"shard-{i}.safetensors").unlink()
+        out = ws.run("--until", "extract", "--printshellcmds")
+        assert out.count("gpu_job.py --gpus 0 --rule extract") == 2, out  # snakemake's count
+        for i in (0, 1):
+            assert (folder / f"shard-{i}.safetensors").read_bytes() == before[i]
+            record = json.loads((ws.results / "gpu" / f"extract-{i}.json").read_text())
+            assert record["shared_by"] == 2 and record["devices"] == [0], record
+            log = (ws.results / "logs" / f"extract-{i}.log").read_text()
+            assert "extract: GPU turn at" in log, log
+    finally:
+        ws.write(extract={"gpus_per_job": 0, "jobs_per_gpu": 1})
+    assert "extract" not in job_counts(ws.run("-n"))  # (the newer shards retrain)
+
+
 def test_changing_the_shard_count_reextracts(ws):
     """Planned: every shard, then training and what follows; run: up to the shards only (the
     rest of the DAG is what the tests above run)."""
