@@ -45,6 +45,7 @@ NO_DATACLASS = {
     "regenerate.workers": "a resource of the regenerate rule (--workers)",
     "regenerate.gpus": "a resource of the regenerate rule",
     "train.nodes": "a resource of the train rule (--nodes)",
+    "extract.jobs_per_gpu": "a resource of the extract rule (the lease scripts/gpu_job.py takes)",
     "vllm.python": "the workflow's path to the vLLM interpreter (--vllm-python)",
     "vllm.max_model_len": "the vllm section reaches eagle3lib/serve.py as a mapping (--vllm)",
     "vllm.dtype": "the vllm section reaches eagle3lib/serve.py as a mapping (--vllm)",
