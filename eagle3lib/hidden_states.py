@@ -200,8 +200,11 @@ def extract_samples(
     shard_path: Path,
     metadata: dict[str, str],
     phases: Phases | None = None,
+    turn=None,
 ) -> dict[str, Any]:
-    """Forward ``samples`` through ``model`` in length-sorted batches and write one shard."""
+    """Forward ``samples`` through ``model`` in length-sorted batches and write one shard.
+    ``turn``: a context manager factory (eagle3lib.gpu.turn) held from after compiling to the
+    end: a job sharing its GPU compiles while the other one extracts."""
     from eagle3lib.verifier import decoder_layers, text_config, text_decoder
 
     device = input_device(model)
@@ -218,6 +221,9 @@ def extract_samples(
         compiling = _compile_for_job(stack, model, decoder, capture, samples, device, cfg.compile)
         if phases and compiling["compiled"]:
             phases.mark("layers compiled")
+        waited = stack.enter_context(turn()) if turn else 0.0
+        if phases and turn:
+            phases.mark("GPU turn")
         writer = ShardWriter(
             shard_path,
             layout,
@@ -237,7 +243,8 @@ def extract_samples(
         except BaseException:
             writer.abort()
             raise
-    return {**writer_stats(writer, time.perf_counter() - t0, padded, sha256), **compiling}
+    stats = writer_stats(writer, time.perf_counter() - t0, padded, sha256)
+    return {**stats, **compiling, "turn_wait_seconds": round(waited, 2)}
 
 
 def writer_stats(writer: ShardWriter, seconds: float, padded: int, sha256: str) -> dict[str, Any]:
@@ -333,8 +340,8 @@ def _manifest(
 
 def _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, phases) -> dict:
     """Load the verifier in ``dtype`` and write the shard from its forward passes. A job that
-    shares its GPUs (extract.jobs_per_gpu) loads while another extracts, then waits for its
-    turn at them (eagle3lib.gpu.turn)."""
+    shares its GPUs (extract.jobs_per_gpu) loads (and compiles) while another extracts, then
+    waits for its turn at them (eagle3lib.gpu.turn)."""
     from eagle3lib.gpu import TURN_ENV, turn
     from eagle3lib.verifier import device_map_for_job, load_model
 
@@ -343,12 +350,9 @@ def _extract_with_hf(record, dtype, ids, masks, aux, cfg, shard_path, metadata, 
     model = load_model(record, dtype, device_map=device_map_for_job())
     load_seconds = time.perf_counter() - t0
     phases.mark("verifier loaded")
-    with turn() as waited:
-        if os.environ.get(TURN_ENV):
-            phases.mark("GPU turn")
-        stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases)
+    sharing = turn if os.environ.get(TURN_ENV) else None
+    stats = extract_samples(model, ids, masks, aux, cfg, shard_path, metadata, phases, sharing)
     stats["model_load_seconds"] = load_seconds
-    stats["turn_wait_seconds"] = round(waited, 2)
     return stats
 
 
