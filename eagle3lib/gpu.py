@@ -14,12 +14,12 @@ host: device indices are per host, and each record is compared only with itself.
 gets SIGTERM when the wrapper dies (even by SIGKILL), and the wrapper when snakemake does (see
 eagle3lib/lifetime.py).
 
-With ``--share K`` (extract.jobs_per_gpu) up to K jobs hold a device at once, each through one
-of its K slot locks, and take turns at its compute: the wrapper passes the device's lock (the
-one exclusive jobs lease) to the command in ``EAGLE3_GPU_TURN``, and the command holds it
-(``turn``) only while it computes, so one job loads its model while the other extracts. A
-shared device's used memory also moves with the other job, so the record of a shared job
-names as leaks only what the job left running.
+With ``--share K`` (extract.jobs_per_gpu) up to K jobs hold a device at once: each holds the
+device's lock shared (so no exclusive job runs beside them) and one of its K slot locks, and
+they take turns at its compute: the wrapper names the device's turn lock in
+``EAGLE3_GPU_TURN``, and the command holds it (``turn``) only while it computes, so one job
+loads its model while the other extracts. A shared device's used memory also moves with the
+other job, so the record of a shared job names as leaks only what the job left running.
 
 With ``--nodes N`` (a train job over N SLURM nodes) the wrapper leases nothing itself: it runs
 the command through one ``srun`` step with one task per node, each task this wrapper again
@@ -94,7 +94,7 @@ def device_pool() -> list[int]:
     return list(range(snap.get("device_count", 0)))
 
 
-TURN_ENV = "EAGLE3_GPU_TURN"  # the device locks a sharing job holds while it computes
+TURN_ENV = "EAGLE3_GPU_TURN"  # the turn locks a sharing job holds while it computes
 # "<rule>:<gpus>:<share>": that rule's jobs ask snakemake for no GPU (so that several run at
 # once) and lease <gpus> shared by <share> jobs; set by the workflow (rules/common.smk)
 GPU_SHARING_ENV = "EAGLE3_GPU_SHARING"
@@ -114,75 +114,94 @@ def shared_lease(rule: str, env: dict[str, str]) -> tuple[int, int] | None:
 
 
 def lock_folder(lock_dir: Path) -> Path:
-    """Where the device locks live: per SLURM allocation inside one (device ids are relative to
-    the allocation, so other allocations on the node, same ids, other GPUs, never contend)."""
+    """Where the device locks live (an absolute path): per SLURM allocation inside one (device
+    ids are relative to the allocation, so other allocations on the node, same ids, other
+    GPUs, never contend)."""
     if os.environ.get("SLURM_JOB_ID"):
         lock_dir = lock_dir / f"slurm-{os.environ['SLURM_JOB_ID']}"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    return lock_dir
+    return lock_dir.resolve()
 
 
-def device_lock(lock_dir: Path, dev: int) -> Path:
-    """A device's lock: exclusive jobs lease it, sharing jobs hold it for their turn. The host
-    is in the name: lock files may sit on a filesystem shared by several hosts."""
-    return lock_dir / f"{socket.gethostname()}-gpu{dev}.lock"
+def device_lock(lock_dir: Path, dev: int, kind: str = "") -> Path:
+    """A device's lock (``kind`` "": exclusive jobs hold it alone, sharing jobs together;
+    "slot<k>": one of a sharing job's slots; "turn": held while a sharing job computes). The
+    host is in the name: lock files may sit on a filesystem shared by several hosts."""
+    suffix = f".{kind}.lock" if kind else ".lock"
+    return lock_dir / f"{socket.gethostname()}-gpu{dev}{suffix}"
 
 
-def _try_lock(path: Path) -> int | None:
+def _try_lock(path: Path, mode: int = fcntl.LOCK_EX) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
     return fd
 
 
+def _hold(lock_dir: Path, dev: int, share: int, slot: int) -> list[int] | None:
+    """The locks of device ``dev`` for one job, or None if it cannot have them now: its own
+    lock exclusively (``share`` 1), or shared plus slot ``slot``'s lock."""
+    if share == 1:
+        fd = _try_lock(device_lock(lock_dir, dev))
+        return None if fd is None else [fd]
+    fd = _try_lock(device_lock(lock_dir, dev), fcntl.LOCK_SH)  # no exclusive job on it
+    if fd is None:
+        return None
+    slot_fd = _try_lock(device_lock(lock_dir, dev, f"slot{slot}"))
+    if slot_fd is None:
+        os.close(fd)
+        return None
+    return [fd, slot_fd]
+
+
 @contextlib.contextmanager
 def lease(
     n: int, pool: Sequence[int], lock_dir: Path, poll: float = 0.5, share: int = 1
 ) -> Iterator[list[int]]:
-    """Hold ``n`` devices of ``pool``; wait until that many are free. ``share`` 1: the device's
-    own lock, exclusively; above 1, one of its ``share`` slot locks (at most that many jobs
-    hold a device; they take turns at it through ``turn``)."""
+    """Hold ``n`` devices of ``pool``; wait until that many are free. ``share`` 1: each
+    device's lock, exclusively. Above 1: each device's lock shared (an exclusive job waits
+    until no sharing job holds the device, and the other way round) and one of its ``share``
+    slot locks (at most that many jobs hold a device); the first slots of all devices are
+    taken before any second one, so jobs spread over the GPUs before they share one; the jobs
+    of a device take turns at it through ``turn``."""
     if n == 0:
         yield []
         return
     if n > len(pool):
         raise SystemExit(f"error: job needs {n} GPU(s), the pool has {len(pool)} ({list(pool)})")
     lock_dir = lock_folder(lock_dir)
-
-    def locks(dev: int) -> list[Path]:
-        if share == 1:
-            return [device_lock(lock_dir, dev)]
-        return [device_lock(lock_dir, dev).with_suffix(f".slot{k}.lock") for k in range(share)]
-
     while True:
-        held: list[tuple[int, int]] = []
-        for dev in pool:
-            fd = next((fd for path in locks(dev) if (fd := _try_lock(path)) is not None), None)
-            if fd is None:
-                continue
-            held.append((dev, fd))
-            if len(held) == n:
-                break
+        held: dict[int, list[int]] = {}
+        for slot in range(share):
+            for dev in pool:
+                if dev in held or len(held) == n:
+                    continue
+                fds = _hold(lock_dir, dev, share, slot)
+                if fds is not None:
+                    held[dev] = fds
         if len(held) == n:
             break
-        for _, fd in held:  # never sit on a partial set: that deadlocks multi-GPU jobs
-            os.close(fd)
+        for fds in held.values():  # never sit on a partial set: that deadlocks multi-GPU jobs
+            for fd in fds:
+                os.close(fd)
         time.sleep(poll)
     try:
-        yield [dev for dev, _ in held]
+        yield sorted(held)
     finally:
-        for _, fd in held:
-            os.close(fd)
+        for fds in held.values():
+            for fd in fds:
+                os.close(fd)
 
 
 @contextlib.contextmanager
 def turn(env: dict[str, str] | None = None) -> Iterator[float]:
-    """A sharing job's turn at its devices (the locks ``EAGLE3_GPU_TURN`` names, in order, so
-    that two sharing jobs never wait on each other crosswise); yields the seconds waited. A
-    job not started as a sharing one (no such variable) does not wait."""
+    """A sharing job's turn at its devices (the turn locks ``EAGLE3_GPU_TURN`` names, in
+    order, so that two sharing jobs never wait on each other crosswise); yields the seconds
+    waited, and says on stderr when it has to wait. A job not started as a sharing one (no
+    such variable) does not wait."""
     paths = [
         p for p in (env if env is not None else os.environ).get(TURN_ENV, "").split(os.pathsep) if p
     ]
@@ -192,7 +211,11 @@ def turn(env: dict[str, str] | None = None) -> Iterator[float]:
         for path in sorted(paths):
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             fds.append(fd)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print("waiting for the GPU: another job is extracting", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
         yield time.perf_counter() - t0
     finally:
         for fd in fds:
@@ -321,7 +344,9 @@ def run(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         if share > 1 and devices:
             folder = lock_folder(lock_dir)
-            env[TURN_ENV] = os.pathsep.join(str(device_lock(folder, d)) for d in devices)
+            env[TURN_ENV] = os.pathsep.join(str(device_lock(folder, d, "turn")) for d in devices)
+        else:
+            env.pop(TURN_ENV, None)  # a job of its own GPUs takes no turns
         before = nvml_snapshot(devices or None)
         t0 = time.time()
         proc, pumping = start(argv, env, log, echo)
@@ -329,7 +354,10 @@ def run(
         # Anything the job started and left running (a server, a worker) holds memory:
         # record it, read NVML while it still runs, then stop it before the lease ends.
         stragglers = group_alive(proc.pid)
-        after = settled_snapshot(devices, before) if gpus else nvml_snapshot(None)
+        if gpus and share == 1:
+            after = settled_snapshot(devices, before)
+        else:  # (a shared device's memory moves with the other job: no leak verdict to wait for)
+            after = nvml_snapshot(devices or None)
         if stragglers:
             stop_group(proc.pid)
     if rc != 0:
@@ -342,6 +370,8 @@ def run(
             "gpus_requested": gpus,
             "devices": devices,
             "seconds": round(time.time() - t0, 2),
+            "started_at": round(t0, 3),  # the job's own span (the lease held around it)
+            "ended_at": round(time.time(), 3),
             "before": before,
             "after": after,
             "stray_processes": stragglers,

@@ -222,6 +222,7 @@ def extract_samples(
         if phases and compiling["compiled"]:
             phases.mark("layers compiled")
         waited = stack.enter_context(turn()) if turn else 0.0
+        turn_span = [time.time()]
         if phases and turn:
             phases.mark("GPU turn")
         writer = ShardWriter(
@@ -243,8 +244,12 @@ def extract_samples(
         except BaseException:
             writer.abort()
             raise
+    turn_span.append(time.time())  # (the turn, if any, is released at the end of the block)
     stats = writer_stats(writer, time.perf_counter() - t0, padded, sha256)
-    return {**stats, **compiling, "turn_wait_seconds": round(waited, 2)}
+    timing = {"turn_wait_seconds": round(waited, 2)}
+    if turn:
+        timing["turn_span"] = [round(t, 3) for t in turn_span]
+    return {**stats, **compiling, **timing}
 
 
 def writer_stats(writer: ShardWriter, seconds: float, padded: int, sha256: str) -> dict[str, Any]:

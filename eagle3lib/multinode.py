@@ -58,13 +58,14 @@ def nodes_refusal(
 
 def sharing_refusal(jobs_per_gpu: int, executor: str | None) -> str | None:
     """Why ``extract.jobs_per_gpu`` cannot run with ``executor``, or None: GPU sharing is
-    between jobs of one machine (inside one SLURM allocation too), but the slurm executor gives
-    each job an allocation of its own, and sharing jobs ask snakemake for no GPU."""
-    if jobs_per_gpu <= 1 or executor not in ("slurm", "slurm-jobstep"):
+    between the jobs of this machine (the local executor; a dry run or --touch runs none),
+    and sharing jobs ask snakemake for no GPU, so a cluster executor would give them none."""
+    if jobs_per_gpu <= 1 or executor in (None, "local", "dryrun", "touch"):
         return None
     return (
-        f"config key extract.jobs_per_gpu: {jobs_per_gpu} shares the GPUs of one machine "
-        "between shard jobs; under the slurm executor each job gets GPUs of its own: set it to 1"
+        f"config key extract.jobs_per_gpu: {jobs_per_gpu} shares the GPUs of this machine "
+        f"between shard jobs, and the {executor} executor runs jobs elsewhere, each with GPUs "
+        "of its own: set it to 1"
     )
 
 

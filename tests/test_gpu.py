@@ -120,22 +120,32 @@ def overlap(a: list[float], b: list[float]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+def sharing_script(log: Path) -> str:
+    """A sharing job: marks when it holds the device and its turn, in <log>."""
+    mark = (
+        f"lambda what, kind: open({str(log)!r}, 'a').write("
+        "f'{sys.argv[1]} {what} {kind} {time.time()}\\n')"
+    )
+    return (
+        f"import sys, time; from eagle3lib import gpu; m = {mark}; m('held', 'start'); "
+        "time.sleep(0.3)\nwith gpu.turn():\n    m('turn', 'start'); time.sleep(1.5); "
+        "m('turn', 'end')\nm('held', 'end')"
+    )
+
+
 def test_jobs_sharing_a_gpu_hold_it_two_at_a_time_and_take_turns(tmp_path):
     """One fake device, three jobs that share it by 2 (extract.jobs_per_gpu) and one exclusive
     job: at most two sharing jobs hold the device at once, the second loads while the first
-    has its turn, turns never overlap, and the exclusive job never runs during a turn."""
+    has its turn, turns never overlap, and the exclusive job runs only when no sharing job
+    holds the device."""
     log = tmp_path / "log"
     mark = f"lambda what, kind: open({str(log)!r}, 'a').write(f'{{sys.argv[1]}} {{what}} {{kind}} {{time.time()}}\\n')"
-    sharing = (
-        f"import sys, time; from eagle3lib import gpu; m = {mark}; m('held', 'start'); "
-        "time.sleep(0.3)\nwith gpu.turn():\n    m('turn', 'start'); time.sleep(1.0); m('turn', 'end')\n"
-        "m('held', 'end')"
-    )
     exclusive = (
-        f"import sys, time; m = {mark}; m('turn', 'start'); time.sleep(0.5); m('turn', 'end')"
+        f"import sys, time; m = {mark}; m('held', 'start'); time.sleep(0.3); m('held', 'end')"
     )
+    script = sharing_script(log)
     procs = [
-        run_job(tmp_path, f"s{i}", "0", 1, [sys.executable, "-c", sharing, f"s{i}"], share=2)
+        run_job(tmp_path, f"s{i}", "0", 1, [sys.executable, "-c", script, f"s{i}"], share=2)
         for i in range(3)
     ]
     time.sleep(0.2)
@@ -143,16 +153,32 @@ def test_jobs_sharing_a_gpu_hold_it_two_at_a_time_and_take_turns(tmp_path):
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
     got = spans(log)
     held = [got[(f"s{i}", "held")] for i in range(3)]
-    turns = [got[(job, "turn")] for job in ("s0", "s1", "s2", "x")]
+    turns = [got[(f"s{i}", "turn")] for i in range(3)]
     assert not any(overlap(a, b) for i, a in enumerate(turns) for b in turns[i + 1 :]), turns
     for i, h in enumerate(held):  # never three holders at once
         others = [o for j, o in enumerate(held) if j != i and overlap(h, o)]
         assert not (len(others) == 2 and overlap(*others)), held
     first, second = sorted(held)[:2]
-    assert second[0] < first[1] - 0.5  # the second was loading during the first one's turn
+    first_turn = min(turns)
+    assert second[0] < first_turn[1]  # the second held the device during the first one's turn
+    assert not any(overlap(got[("x", "held")], h) for h in held), (got[("x", "held")], held)
     record = json.loads((tmp_path / "s0.json").read_text())
     assert record["shared_by"] == 2 and record["devices"] == [0] and record["leaks"] == []
     assert json.loads((tmp_path / "x.json").read_text())["shared_by"] == 1
+
+
+def test_sharing_jobs_spread_over_the_gpus_before_they_share_one(tmp_path):
+    log = tmp_path / "log"
+    script = sharing_script(log)
+    procs = [
+        run_job(tmp_path, f"s{i}", "0,1", 1, [sys.executable, "-c", script, f"s{i}"], share=2)
+        for i in range(2)
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    devices = [json.loads((tmp_path / f"s{i}.json").read_text())["devices"] for i in range(2)]
+    assert sorted(devices) == [[0], [1]], devices
+    got = spans(log)  # on two devices, their turns did not wait for each other
+    assert overlap(got[("s0", "turn")], got[("s1", "turn")])
 
 
 def test_the_workflow_names_the_rule_whose_jobs_share_their_gpus():
@@ -163,12 +189,19 @@ def test_the_workflow_names_the_rule_whose_jobs_share_their_gpus():
 
 def test_a_job_not_started_to_share_takes_no_turn(tmp_path):
     """Without EAGLE3_GPU_TURN (a CPU job, an exclusive lease) turn() waits for nothing, even
-    while the device's lock is held elsewhere."""
-    lock = tmp_path / "host-gpu0.lock"
-    with gpu.turn({gpu.TURN_ENV: str(lock)}) as waited:
+    while another holds the turn lock."""
+    import fcntl
+
+    lock = tmp_path / "host-gpu0.turn.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with gpu.turn({}) as waited:
+            assert waited < 0.01
+    finally:
+        os.close(fd)
+    with gpu.turn({gpu.TURN_ENV: str(lock)}) as waited:  # free again: no wait
         assert waited < 1.0
-        with gpu.turn({}) as none:
-            assert none < 0.01
 
 
 def test_a_shared_jobs_record_names_no_leak_from_the_other_jobs_memory():

@@ -36,9 +36,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 def test_extract_jobs_share_gpus_only_outside_the_slurm_executor():
     refusal = multinode.sharing_refusal(2, "slurm")
-    assert refusal.startswith("config key extract.jobs_per_gpu: 2 shares the GPUs of one")
-    assert refusal.endswith("set it to 1") and multinode.sharing_refusal(2, "slurm-jobstep")
-    for executor in ("local", "dryrun", None):
+    assert refusal.startswith("config key extract.jobs_per_gpu: 2 shares the GPUs of this")
+    assert "the slurm executor runs jobs elsewhere" in refusal and refusal.endswith("set it to 1")
+    for executor in ("slurm-jobstep", "kubernetes", "cluster-generic"):
+        assert multinode.sharing_refusal(2, executor)
+    for executor in ("local", "dryrun", "touch", None):
         assert multinode.sharing_refusal(2, executor) is None
     assert multinode.sharing_refusal(1, "slurm") is None
 

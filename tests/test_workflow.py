@@ -465,14 +465,22 @@ def test_extract_jobs_sharing_a_gpu_take_turns_and_write_the_same_bytes(ws, monk
         assert "Nothing to be done" in out, out
         for i in (0, 1):
             (folder / f"shard-{i}.safetensors").unlink()
-        out = ws.run("--until", "extract", "--printshellcmds")
+        # one thread a job: both run at once on the tests' two cores
+        out = ws.run("--until", "extract", "--printshellcmds", "--set-threads", "extract=1")
         assert out.count("gpu_job.py --gpus 0 --rule extract") == 2, out  # snakemake's count
+        held, turns = [], []
         for i in (0, 1):
             assert (folder / f"shard-{i}.safetensors").read_bytes() == before[i]
             record = json.loads((ws.results / "gpu" / f"extract-{i}.json").read_text())
             assert record["shared_by"] == 2 and record["devices"] == [0], record
+            held.append((record["started_at"], record["ended_at"]))
             log = (ws.results / "logs" / f"extract-{i}.log").read_text()
             assert "extract: GPU turn at" in log, log
+            turns.append(json.loads(log[log.rindex("\n{") :])["turn_span"])
+        (a, b), (c, d) = sorted(held)
+        assert c < b, held  # both held the device at once
+        (a, b), (c, d) = sorted(turns)
+        assert b <= c, turns  # their turns at it did not overlap
     finally:
         ws.write(extract={"gpus_per_job": 0, "jobs_per_gpu": 1})
     assert "extract" not in job_counts(ws.run("-n"))  # (the newer shards retrain)
