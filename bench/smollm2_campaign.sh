@@ -27,7 +27,15 @@ PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
-# (a rehearsal on a CPU: CUDA_VISIBLE_DEVICES=0,1 gives the locks two "GPUs", and
+# GPUs the builds lease (--resources gpu=N): every GPU of the machine
+GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+#
+# fp8 acceptance parity (extract.storage bf16 against fp8, one train.seed): two builds one after
+# the other in the same run folder, so the second reruns only extract and what follows it; each
+# build's reports are kept in $C/<storage>-seed<SEED>:
+#   CONFIGS="configs/smollm2-gpu.yaml configs/overlays/no-regen.yaml" \
+#     bench/smollm2_campaign.sh start-parity 42     # then: wait 540, as above
+# (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
 
@@ -57,10 +65,31 @@ start)
   setsid nohup bash "$0" run >"$C/campaign.log" 2>&1 </dev/null &
   echo "started; outputs in $C"
   ;;
+start-parity)
+  rm -rf "$C" && mkdir -p "$C"
+  echo "serve_check: {enabled: false}" >"$C/noserve.yaml"
+  setsid nohup bash "$0" run-parity "${2:?seed}" >"$C/campaign.log" 2>&1 </dev/null &
+  echo "started; outputs in $C"
+  ;;
+run-parity)
+  echo "train: {seed: $2}" >"$C/seed.yaml"
+  rc=0
+  for storage in bf16 fp8; do
+    echo "extract: {storage: $storage}" >"$C/storage.yaml"
+    echo "$(date +%T) build $storage seed $2: start" >>"$C/status"
+    # shellcheck disable=SC2086
+    python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" "$C/seed.yaml" "$C/storage.yaml" \
+      --cores "$(nproc)" --resources gpu="$GPUS" >"$C/snakemake-$storage.log" 2>&1 || rc=$?
+    echo "$(date +%T) build $storage seed $2: exit $rc" >>"$C/status"
+    mkdir -p "$C/$storage-seed$2"
+    cp -r "$R/reports" "$R/benchmarks" "$C/$storage-seed$2/" 2>/dev/null || true
+  done
+  touch "$C/done"
+  ;;
 run)
   echo "$(date +%T) build: start" >>"$C/status"
   # shellcheck disable=SC2086
-  python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu=2 \
+  python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
     >"$C/snakemake.log" 2>&1 &
   SM=$!
   if until_exists "$R/logs/train.log"; then
@@ -93,11 +122,11 @@ wait)
     "$C" "${small[@]}" 2>/dev/null || true
   ls -l "$OUT/campaign.tgz"
   cat "$C/status"
-  grep -E "steps|Error|error" "$C/snakemake.log" | tail -3 || true
+  grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | wait [SECONDS]" >&2
+  echo "usage: $0 start | start-parity SEED | wait [SECONDS]" >&2
   exit 2
   ;;
 esac
