@@ -203,8 +203,10 @@ def extract_samples(
     turn=None,
 ) -> dict[str, Any]:
     """Forward ``samples`` through ``model`` in length-sorted batches and write one shard.
-    ``turn``: a context manager factory (eagle3lib.gpu.turn) held from after compiling to the
-    end: a job sharing its GPU compiles while the other one extracts."""
+    ``turn``: a context manager factory (eagle3lib.gpu.turn) held from after compiling and
+    the shard writer's set-up until the last states have left the GPU: a job sharing its GPU
+    compiles while the other one extracts, and the other one extracts while this one's last
+    writes, fsync and hash finish."""
     from eagle3lib.verifier import decoder_layers, text_config, text_decoder
 
     device = input_device(model)
@@ -221,10 +223,6 @@ def extract_samples(
         compiling = _compile_for_job(stack, model, decoder, capture, samples, device, cfg.compile)
         if phases and compiling["compiled"]:
             phases.mark("layers compiled")
-        waited = stack.enter_context(turn()) if turn else 0.0
-        turn_span = [time.time()]
-        if phases and turn:
-            phases.mark("GPU turn")
         writer = ShardWriter(
             shard_path,
             layout,
@@ -234,17 +232,23 @@ def extract_samples(
         )
         if phases:
             phases.mark("shard writer ready")
-        t0 = time.perf_counter()
         try:
-            work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
-            for batch in iter_progress(work, layout.tokens):
-                states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
-                writer.put_batch(batch, states, [lengths[i] for i in batch])
+            with contextlib.ExitStack() as gpu_turn:
+                waited = gpu_turn.enter_context(turn()) if turn else 0.0
+                turn_span = [time.time()]
+                if phases and turn:
+                    phases.mark("GPU turn")
+                t0 = time.perf_counter()
+                work = [(batch, sum(lengths[i] for i in batch)) for batch in batches]
+                for batch in iter_progress(work, layout.tokens):
+                    states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
+                    writer.put_batch(batch, states, [lengths[i] for i in batch])
+                writer.device_done()
+            turn_span.append(time.time())  # the turn, if any, is given back here
             sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
         except BaseException:
             writer.abort()
             raise
-    turn_span.append(time.time())  # (the turn, if any, is released at the end of the block)
     stats = writer_stats(writer, time.perf_counter() - t0, padded, sha256)
     timing = {"turn_wait_seconds": round(waited, 2)}
     if turn:

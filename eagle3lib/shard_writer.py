@@ -222,6 +222,13 @@ class ShardWriter:
                 tensor.record_stream(self._stream)
         self._queue.put((event, host, scales_host, bad_host, list(samples), list(lengths), pinned))
 
+    def device_done(self) -> None:
+        """Wait until every batch put so far has left the device (its copy into pinned host
+        memory has finished); the disk writes and the hash may still be running. A job that
+        shares its GPU gives its turn back after this."""
+        if self.cuda:
+            self._stream.synchronize()
+
     def put_states(self, sample: int, states: torch.Tensor) -> None:
         """Queue one sample's [len, layers, hidden] states."""
         self.put_batch([sample], states[None], [states.shape[0]])

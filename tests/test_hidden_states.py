@@ -453,9 +453,11 @@ def test_compiled_layers_put_the_eager_forwards_back(verifier_model):
 def test_a_job_sharing_its_gpu_compiles_before_its_turn_and_extracts_only_during_it(
     extracted, verifier_model, tmp_path, monkeypatch
 ):
-    """extract.jobs_per_gpu: the turn (eagle3lib.gpu.turn) is taken after compiling, so one job
-    compiles while the other extracts, and held until the shard is written; the wait is in the
-    stats. (Compiling is replaced by a marker here; the compile tests above compile.)"""
+    """extract.jobs_per_gpu: the turn (eagle3lib.gpu.turn) is taken after compiling and the
+    shard writer's set-up, so one job does both while the other extracts, and given back once
+    the last states have left the device, before the shard's last writes, fsync and hash; the
+    wait is in the stats. (Compiling is replaced by a marker here; the compile tests above
+    compile.)"""
     import contextlib
 
     _, samples, _, cfg, stats = extracted
@@ -477,8 +479,22 @@ def test_a_job_sharing_its_gpu_compiles_before_its_turn_and_extracts_only_during
         yield 0.25
         events.append("end of turn")
 
+    class Writer(hidden_states.ShardWriter):
+        def __init__(self, *args, **kwargs):
+            events.append("writer")
+            super().__init__(*args, **kwargs)
+
+        def device_done(self):
+            events.append("device done")
+            super().device_done()
+
+        def close(self, *args):
+            events.append("close")
+            return super().close(*args)
+
     monkeypatch.setattr(hidden_states, "_compile_for_job", compile_marker)
     monkeypatch.setattr(hidden_states, "forward_batch", forward)
+    monkeypatch.setattr(hidden_states, "ShardWriter", Writer)
     rows = [samples.sample(i) for i in range(4)]
     got = hidden_states.extract_samples(
         verifier_model,
@@ -490,7 +506,16 @@ def test_a_job_sharing_its_gpu_compiles_before_its_turn_and_extracts_only_during
         {"format": "test"},
         turn=turn,
     )
-    assert events[:2] == ["compile", "turn"] and events[-1] == "end of turn", events
-    assert events.count("forward") >= 1 and got["turn_wait_seconds"] == 0.25
+    forwards = events.count("forward")
+    assert forwards >= 1 and got["turn_wait_seconds"] == 0.25
+    assert events == [
+        "compile",
+        "writer",
+        "turn",
+        *["forward"] * forwards,
+        "device done",
+        "end of turn",
+        "close",
+    ], events
     assert stats["turn_wait_seconds"] == 0.0  # a job that shares nothing waits for nothing
     assert (tmp_path / "shard.safetensors").stat().st_size > 0
