@@ -15,6 +15,17 @@ F = TypeVar("F", bound=Callable[..., object])
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+# What to turn down when a job's GPU runs out of memory, by the job's script (its file name).
+GPU_MEMORY_KEYS = {
+    "extract": "extract.batch_tokens (where extract jobs share a GPU: extract.jobs_per_gpu: 1; "
+    "a verifier too big for one GPU: extract.gpus_per_job)",
+    "regenerate": "regenerate.batch_size",
+    "train": "train.total_seq_len (or give it more GPUs: train.gpus)",
+    "evaluate": "evaluate.batch_size (with evaluate.method: replay), or evaluate.dtype: "
+    "bfloat16 instead of float32",
+}
+
+
 class UserError(Exception):
     """Bad input or configuration. The message is shown to the user as one line."""
 
@@ -41,6 +52,11 @@ def cli(main: F) -> F:
         except UserError as exc:
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
             sys.exit(1)
+        except RuntimeError as exc:
+            if not _gpu_out_of_memory(exc):
+                raise
+            print(f"error: {gpu_memory_message(exc, sys.argv[0])}", file=sys.stderr, flush=True)
+            sys.exit(1)
         except OSError as exc:
             if exc.errno not in DISK_FULL:
                 raise
@@ -54,3 +70,18 @@ def cli(main: F) -> F:
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _gpu_out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # a job that never imported torch has no GPU to run out of
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+
+
+def gpu_memory_message(exc: BaseException, script: str) -> str:
+    """One line for a job whose GPU ran out of memory: torch's first line and the config key
+    that sizes the job's GPU memory."""
+    from pathlib import Path
+
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    keys = GPU_MEMORY_KEYS.get(Path(script).stem, "the batch size of this rule's config section")
+    return f"the GPU ran out of memory ({first}); lower {keys}, then rerun"

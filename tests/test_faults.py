@@ -515,3 +515,33 @@ def test_disk_full_during_a_write_is_one_line(small_disk):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "free disk space" in lines[0]
     assert str(small_disk) in lines[0]
     assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("script", "key"),
+    [("train.py", "train.total_seq_len"), ("extract.py", "extract.jobs_per_gpu: 1")],
+)
+def test_a_job_out_of_gpu_memory_says_so_in_one_line_naming_the_key(tmp_path, script, key):
+    """torch's OutOfMemoryError (what a GPU job raises when its batch does not fit; raised
+    here on the CPU) ends the job with one line naming the config key to lower, not a
+    traceback; any other error still shows its traceback."""
+    body = (
+        "import sys; sys.path.insert(0, {!r})\n"
+        "import torch\n"
+        "from eagle3lib.errors import cli\n"
+        "def main():\n"
+        "    raise {}\n"
+        "cli(main)()\n"
+    )
+    oom = "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.\\nmore')"
+    path = tmp_path / script
+    path.write_text(body.format(str(ROOT), oom))
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: the GPU ran out of memory (CUDA out of memory. Tried to")
+    assert key in lines[0] and lines[0].endswith("then rerun")
+
+    path.write_text(body.format(str(ROOT), "RuntimeError('a bug')"))
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "a bug" in proc.stderr
