@@ -15,13 +15,14 @@ F = TypeVar("F", bound=Callable[..., object])
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-# What to turn down when a job's GPU runs out of memory, by the job's script (its file name).
+# What to change when a job's GPU runs out of memory, by the job's script (its file name).
 GPU_MEMORY_KEYS = {
-    "extract": "extract.batch_tokens (where extract jobs share a GPU: extract.jobs_per_gpu: 1; "
-    "a verifier too big for one GPU: extract.gpus_per_job)",
+    "extract": "extract.batch_tokens (where extract jobs share a GPU, set extract.jobs_per_gpu: "
+    "1; for a verifier too big for one GPU, raise extract.gpus_per_job)",
     "regenerate": "regenerate.batch_size",
-    "train": "train.total_seq_len (or give it more GPUs: train.gpus)",
-    "evaluate": "evaluate.batch_size (with evaluate.method: replay), or evaluate.dtype: "
+    "train": "train.total_seq_len (for a draft whose training state does not fit one GPU, "
+    "train.fsdp: true with train.gpus > 1)",
+    "evaluate": "evaluate.batch_size (with evaluate.method: replay), or set evaluate.dtype: "
     "bfloat16 instead of float32",
 }
 

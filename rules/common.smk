@@ -39,9 +39,10 @@ RUN = config["run"]
 N_SHARDS = config["extract"]["shards"]
 
 # Jobs that run at once share the cores. torch's OpenMP threads spin while they wait (libgomp's
-# default), and beside a second busy process on 2 cores that made a job 3-4 x slower
-# (BENCHMARKS.md, "Waiting OpenMP threads"); they wait passively instead, in every job (jobs
-# inherit this environment; the command text is unchanged). A value the user set is kept.
+# default): beside a second busy process on 2 cores a generate call took 31 s against 3.2 s
+# waiting passively (median; BENCHMARKS.md, "Waiting OpenMP threads"). So they wait passively,
+# in every job (jobs inherit this environment; the command text is unchanged). A value the
+# user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

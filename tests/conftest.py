@@ -15,8 +15,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Two test workers share the cores, and their jobs run torch's OpenMP threads: spinning while
-# they wait (libgomp's default, read once when torch loads) made one job 3-4 x slower beside
-# another (BENCHMARKS.md, "Waiting OpenMP threads"); waiting passively does not. Set before
+# they wait (libgomp's default, read once when torch loads) made one job several times slower
+# beside another (BENCHMARKS.md, "Waiting OpenMP threads"); waiting passively does not. Set before
 # torch loads, here and in every subprocess (they inherit the environment).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
