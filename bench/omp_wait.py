@@ -1,6 +1,7 @@
-"""How much a CPU job loses beside another busy process when torch's OpenMP threads spin while
-they wait (libgomp's default, OMP_WAIT_POLICY=ACTIVE) against waiting passively (what the
-workflow's jobs and the test suite now set).
+"""How much a CPU job loses beside another busy process when torch's OpenMP threads (libgomp)
+spin while they wait: OMP_WAIT_POLICY unset (libgomp's default: spin a while, then sleep),
+ACTIVE (spin much longer) and PASSIVE (sleep at once; what the workflow's jobs and the test
+suite now set).
 
     .venv/bin/python bench/omp_wait.py [--rounds 3] [--calls 2]
 
@@ -8,7 +9,7 @@ The work: greedy HF generate of 16 new tokens for 3 prompts of 200 tokens with t
 SmolLM2-135M-Instruct (converted once from its GGUF to /tmp/omp_wait_smollm2), the call the
 regenerate rule makes on a CPU. Beside it, a second process multiplies 256 x 256 matrices on 2
 threads with short sleeps between bursts (what another job's small ops look like). Both
-processes run with the same policy; the policies alternate, ``--rounds`` times each. Prints
+processes run with the same setting; the settings alternate, ``--rounds`` times each. Prints
 seconds per generate call and ``key = value`` lines.
 """
 
@@ -59,8 +60,14 @@ def convert() -> None:
     convert_gguf(gguf, MODEL)
 
 
+POLICIES = ("default", "ACTIVE", "PASSIVE")  # default: the variable unset
+
+
 def one_round(policy: str, calls: int) -> list[float]:
-    env = {**os.environ, "OMP_WAIT_POLICY": policy, "HF_HUB_OFFLINE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["HF_HUB_OFFLINE"] = "1"
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy
     load = subprocess.Popen([sys.executable, "-c", LOAD], env=env)
     try:
         out = subprocess.run(
@@ -82,16 +89,17 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2)
     a = ap.parse_args()
     convert()
-    seconds: dict[str, list[float]] = {"ACTIVE": [], "PASSIVE": []}
+    seconds: dict[str, list[float]] = {p: [] for p in POLICIES}
     for r in range(a.rounds):
         for policy in seconds:
             got = one_round(policy, a.calls)
             seconds[policy] += got
             print(f"round {r + 1} {policy}: " + ", ".join(f"{s:.2f} s" for s in got))
-    active, passive = (statistics.median(seconds[p]) for p in ("ACTIVE", "PASSIVE"))
-    print(f"omp_wait.cpu.generate.active_seconds = {active:.2f}")
-    print(f"omp_wait.cpu.generate.passive_seconds = {passive:.2f}")
-    print(f"omp_wait.cpu.generate.active_vs_passive = {active / passive:.2f}")
+    median = {p: statistics.median(seconds[p]) for p in POLICIES}
+    for p in POLICIES:
+        print(f"omp_wait.cpu.generate.{p.lower()}_seconds = {median[p]:.2f}")
+    for p in ("default", "ACTIVE"):
+        print(f"omp_wait.cpu.generate.{p.lower()}_vs_passive = {median[p] / median['PASSIVE']:.2f}")
 
 
 if __name__ == "__main__":

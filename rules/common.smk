@@ -39,7 +39,7 @@ RUN = config["run"]
 N_SHARDS = config["extract"]["shards"]
 
 # Jobs that run at once share the cores. torch's OpenMP threads spin while they wait (libgomp's
-# default): beside a second busy process on 2 cores a generate call took 31 s against 3.2 s
+# default): beside a second busy process on 2 cores a generate call took 10.8 s against 3.3 s
 # waiting passively (median; BENCHMARKS.md, "Waiting OpenMP threads"). So they wait passively,
 # in every job (jobs inherit this environment; the command text is unchanged). A value the
 # user set is kept.
