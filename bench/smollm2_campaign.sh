@@ -27,8 +27,8 @@ PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
-# GPUs the builds lease (--resources gpu=N): every GPU of the machine
-GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+# GPUs the builds lease (--resources gpu=N): every GPU of the machine (none without nvidia-smi)
+GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #
 # fp8 acceptance parity (extract.storage bf16 against fp8, one train.seed): two builds one after
 # the other in the same run folder, so the second reruns only extract and what follows it; each
@@ -58,18 +58,19 @@ until_exists() { # PATH: wait until it exists (true) or the build has ended with
   done
 }
 
-case "${1:-}" in
-start)
+launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
   rm -rf "$C" && mkdir -p "$C"
   echo "serve_check: {enabled: false}" >"$C/noserve.yaml" # the GPU image has no vLLM
-  setsid nohup bash "$0" run >"$C/campaign.log" 2>&1 </dev/null &
+  setsid nohup bash "$0" "$@" >"$C/campaign.log" 2>&1 </dev/null &
   echo "started; outputs in $C"
+}
+
+case "${1:-}" in
+start)
+  launch run
   ;;
 start-parity)
-  rm -rf "$C" && mkdir -p "$C"
-  echo "serve_check: {enabled: false}" >"$C/noserve.yaml"
-  setsid nohup bash "$0" run-parity "${2:?seed}" >"$C/campaign.log" 2>&1 </dev/null &
-  echo "started; outputs in $C"
+  launch run-parity "${2:?seed}"
   ;;
 run-parity)
   echo "train: {seed: $2}" >"$C/seed.yaml"
