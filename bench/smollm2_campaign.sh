@@ -27,6 +27,7 @@ PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
+SIDE=${SIDE:-1} # 0: the build alone, no side checks (on one GPU they would queue with its jobs)
 # GPUs the builds lease (--resources gpu=N): every GPU of the machine (none without nvidia-smi)
 GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #
@@ -35,6 +36,9 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 # build's reports are kept in $C/<storage>-seed<SEED>:
 #   CONFIGS="configs/smollm2-gpu.yaml configs/overlays/no-regen.yaml" \
 #     bench/smollm2_campaign.sh start-parity 42     # then: wait 540, as above
+# The build alone on one GPU (SIDE=0), e.g. regeneration at full size:
+#   SIDE=0 RUN_NAME=smollm2-gpu-regen-all \
+#     CONFIGS="configs/smollm2-gpu.yaml configs/overlays/regen-all.yaml" bench/smollm2_campaign.sh start
 # (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
@@ -93,15 +97,15 @@ run)
   python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
     >"$C/snakemake.log" 2>&1 &
   SM=$!
-  if until_exists "$R/logs/train.log"; then
+  if [ "$SIDE" = 1 ] && until_exists "$R/logs/train.log"; then
     side dtype python3 bench/acceptance_gap.py dtype --run "$R" --prompts "$PROMPTS" \
       --json "$C/dtype.json"
   fi
-  if [ -n "$TRAIN_ARGS" ]; then
+  if [ "$SIDE" = 1 ] && [ -n "$TRAIN_ARGS" ]; then
     # shellcheck disable=SC2086
     side bench_train python3 bench/train.py $TRAIN_ARGS --out "$C/bench-train"
   fi
-  if until_exists "$R/reports/checkpoint.json"; then
+  if [ "$SIDE" = 1 ] && until_exists "$R/reports/checkpoint.json"; then
     side draft python3 bench/acceptance_gap.py draft --run "$R" --prompts "$PROMPTS" \
       --method "$METHOD" --k 3 5 --json "$C/draft.json"
   fi

@@ -87,34 +87,50 @@ def regenerate_chunk(
     generate: Generate,
     max_length: int,
     max_turns: int | None = None,
+    wave: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Answer every user turn of every conversation (the first ``max_turns``), turn index by
-    turn index."""
+    """Answer every user turn of every conversation (the first ``max_turns``), each given the
+    conversation's regenerated history.
+
+    A conversation's next turn is ready once its previous answer is in. Each generate call
+    takes the ready turns: all of them (``wave`` None: one call per turn index), or the
+    ``wave`` whose conversations have the most user turns left (ties: chunk order). With
+    ``wave`` the size of a generate batch, every call but the last is a full batch and the
+    long conversations are answered alongside the short ones instead of after them, so a
+    chunk needs about (its turns / ``wave``) calls rather than one per turn index."""
     histories: list[list[dict[str, str]]] = [[] for _ in conversations]
     pending = [list(c["turns"]) for c in conversations]
-    stopped = [False] * len(conversations)
-    for _turn in range(max_turns or sys.maxsize):
-        active, prompts = [], []
-        for i, turns in enumerate(pending):
-            if stopped[i]:
-                continue
-            # add the next system/user turns up to and including the next user turn
-            while turns and turns[0]["role"] == "system":
-                histories[i].append(turns.pop(0))
-            if not turns:
-                continue
+    left = [max_turns or sys.maxsize] * len(conversations)  # answers still allowed
+    prompts: dict[int, list[int]] = {}
+
+    def ask(i: int) -> None:
+        """Queue conversation i's next user turn (with the system turns before it), if any
+        is left and its prompt leaves room for a reply within max_length."""
+        turns = pending[i]
+        while turns and turns[0]["role"] == "system":
             histories[i].append(turns.pop(0))
-            ids = render(histories[i])
-            if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
-                histories[i].pop()
-                stopped[i] = True
-                continue
-            active.append(i)
-            prompts.append(ids)
-        if not active:
-            break
-        for i, new in zip(active, generate(prompts), strict=True):
+        if not turns or left[i] == 0:
+            return
+        histories[i].append(turns.pop(0))
+        ids = render(histories[i])
+        if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
+            histories[i].pop()
+            return
+        prompts[i] = ids
+
+    def users_left(i: int) -> int:
+        return min(left[i], sum(m["role"] == "user" for m in pending[i]))
+
+    for i in range(len(conversations)):
+        ask(i)
+    while prompts:
+        ready = sorted(prompts)
+        if wave is not None:
+            ready = sorted(ready, key=lambda i: -users_left(i))[:wave]
+        for i, new in zip(ready, generate([prompts.pop(i) for i in ready]), strict=True):
             histories[i].append({"role": "assistant", "content": decode(new)})
+            left[i] -= 1
+            ask(i)
     return [
         {"id": c["id"], "messages": h}
         for c, h in zip(conversations, histories, strict=True)
@@ -195,6 +211,12 @@ def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
     return generate
 
 
+def wave_size(cfg: RegenerateConfig) -> int | None:
+    """Turns per generate call: one HF batch (``batch_size``); a vLLM server batches
+    continuously, so it gets every ready turn at once."""
+    return cfg.batch_size if cfg.backend == "hf" else None
+
+
 def chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
     for i in range(0, len(items), size):
         yield i // size, items[i : i + size]
@@ -232,7 +254,9 @@ def regenerate(
             continue
         remove_stale_temps(path)  # what a killed writer of this chunk left
         t = time.perf_counter()
-        records = regenerate_chunk(part, render, decode, generate, max_length, cfg.max_turns)
+        records = regenerate_chunk(
+            part, render, decode, generate, max_length, cfg.max_turns, wave_size(cfg)
+        )
         with atomic_path(path) as tmp:
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         log(

@@ -38,7 +38,14 @@ OVERLAY_GATES = {
     "cpu-slice": {},  # null: a draft of six conversations is not gated
     "no-regen": {"mtbench": {"3": 2.403, "5": 2.748}, "humaneval": {"3": 2.678, "5": 3.179}},
     "regen-2-gpus": PRESET_GATE,
+    "regen-all": PRESET_GATE,
 }
+
+
+def test_every_overlay_is_checked():
+    assert sorted(p.stem for p in (ROOT / "configs/overlays").glob("*.yaml")) == sorted(
+        OVERLAY_GATES
+    )
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAY_GATES))

@@ -108,6 +108,35 @@ def test_max_turns_answers_only_the_first_user_turns():
     assert rounds == [2, 1, 1, 1]
 
 
+def test_a_wave_fills_every_call_and_runs_long_conversations_alongside_short_ones():
+    """One call per turn index leaves the batches of the late turns nearly empty; with a wave
+    the conversation with the most turns left goes first, and the records stay the same."""
+    long = {"id": "a", "turns": [{"role": "user", "content": f"q{i}"} for i in range(4)]}
+    short = [{"id": c, "turns": [{"role": "user", "content": c * 3}]} for c in "bcde"]
+    calls = []
+
+    def counting(prompts):
+        calls.append([len(p) for p in prompts])  # prompt lengths: 4 for a short one
+        return fake_generate(prompts)
+
+    by_turn = rg.regenerate_chunk([*short, long], render, decode, counting, 1000)
+    assert calls == [[4, 4, 4, 4, 3], [9], [15], [22]]  # 3 + 1 + 1 + 1 batches of 2
+    calls.clear()
+    waved = rg.regenerate_chunk([*short, long], render, decode, counting, 1000, wave=2)
+    assert waved == by_turn
+    # a's four turns each go beside the next short conversation in chunk order: 4 calls
+    assert calls == [[3, 4], [9, 4], [15, 4], [4, 22]]
+    calls.clear()
+    capped = rg.regenerate_chunk([*short, long], render, decode, counting, 1000, 2, wave=2)
+    assert capped == [*by_turn[:4], {"id": "a", "messages": by_turn[4]["messages"][:4]}]
+    assert calls == [[3, 4], [9, 4], [4, 4]]  # max_turns counts in the priority
+
+
+def test_the_hf_backend_waves_one_batch_and_vllm_takes_every_ready_turn():
+    assert rg.wave_size(RegenerateConfig(backend="hf", batch_size=64)) == 64
+    assert rg.wave_size(RegenerateConfig(backend="vllm", batch_size=64)) is None
+
+
 def test_original_assistant_turns_are_dropped(tmp_path):
     path = tiny.write_jsonl(tmp_path / "c.jsonl", tiny.conversations(3, fmt="sharegpt"))
     convs = rg.read_conversations(path, None, False, "error")
