@@ -88,6 +88,7 @@ def regenerate_chunk(
     max_length: int,
     max_turns: int | None = None,
     wave: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Answer every user turn of every conversation (the first ``max_turns``), each given the
     conversation's regenerated history.
@@ -97,7 +98,8 @@ def regenerate_chunk(
     ``wave`` whose conversations have the most user turns left (ties: chunk order). With
     ``wave`` the size of a generate batch, every call but the last is a full batch and the
     long conversations are answered alongside the short ones instead of after them, so a
-    chunk needs about (its turns / ``wave``) calls rather than one per turn index."""
+    chunk needs about (its turns / ``wave``) calls rather than one per turn index.
+    ``progress`` gets a line after each call."""
     histories: list[list[dict[str, str]]] = [[] for _ in conversations]
     pending = [list(c["turns"]) for c in conversations]
     left = [max_turns or sys.maxsize] * len(conversations)  # answers still allowed
@@ -107,9 +109,11 @@ def regenerate_chunk(
         """Queue conversation i's next user turn (with the system turns before it), if any
         is left and its prompt leaves room for a reply within max_length."""
         turns = pending[i]
+        if left[i] == 0:
+            return
         while turns and turns[0]["role"] == "system":
             histories[i].append(turns.pop(0))
-        if not turns or left[i] == 0:
+        if not turns:
             return
         histories[i].append(turns.pop(0))
         ids = render(histories[i])
@@ -123,6 +127,7 @@ def regenerate_chunk(
 
     for i in range(len(conversations)):
         ask(i)
+    answered = calls = 0
     while prompts:
         ready = sorted(prompts)
         if wave is not None:
@@ -131,6 +136,10 @@ def regenerate_chunk(
             histories[i].append({"role": "assistant", "content": decode(new)})
             left[i] -= 1
             ask(i)
+        answered, calls = answered + len(ready), calls + 1
+        if progress is not None:
+            at_most = len(prompts) + sum(users_left(i) for i in range(len(conversations)))
+            progress(f"call {calls}: {answered} turns answered, at most {at_most} to go")
     return [
         {"id": c["id"], "messages": h}
         for c, h in zip(conversations, histories, strict=True)
@@ -255,8 +264,9 @@ def regenerate(
         remove_stale_temps(path)  # what a killed writer of this chunk left
         t = time.perf_counter()
         records = regenerate_chunk(
-            part, render, decode, generate, max_length, cfg.max_turns, wave_size(cfg)
-        )
+            part, render, decode, generate, max_length, cfg.max_turns, wave_size(cfg),
+            progress=lambda line, index=index: log(f"regenerate: chunk {index + 1}/{n_chunks}, {line}"),
+        )  # fmt: skip
         with atomic_path(path) as tmp:
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         log(

@@ -132,6 +132,24 @@ def test_a_wave_fills_every_call_and_runs_long_conversations_alongside_short_one
     assert calls == [[3, 4], [9, 4], [4, 4]]  # max_turns counts in the priority
 
 
+def test_max_turns_keeps_the_system_turns_after_the_last_answer_out_and_progress_is_logged():
+    turns = [
+        {"role": "user", "content": "q0"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q1"},
+    ]
+    lines = []
+    out = rg.regenerate_chunk(
+        [{"id": "a", "turns": turns}, {"id": "b", "turns": turns[:1]}],
+        render, decode, fake_generate, 1000, max_turns=1, wave=1, progress=lines.append,
+    )  # fmt: skip
+    assert [m["role"] for c in out for m in c["messages"]] == ["user", "assistant"] * 2
+    assert lines == [
+        "call 1: 1 turns answered, at most 1 to go",
+        "call 2: 2 turns answered, at most 0 to go",
+    ]
+
+
 def test_the_hf_backend_waves_one_batch_and_vllm_takes_every_ready_turn():
     assert rg.wave_size(RegenerateConfig(backend="hf", batch_size=64)) == 64
     assert rg.wave_size(RegenerateConfig(backend="vllm", batch_size=64)) is None
