@@ -33,7 +33,7 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #
 # fp8 acceptance parity (extract.storage bf16 against fp8, one train.seed): two builds one after
 # the other in the same run folder, so the second reruns only extract and what follows it; each
-# build's reports are kept in $C/<storage>-seed<SEED>:
+# build's reports, benchmarks, logs and training summary are kept in $C/<storage>-seed<SEED>:
 #   CONFIGS="configs/smollm2-gpu.yaml configs/overlays/no-regen.yaml" \
 #     bench/smollm2_campaign.sh start-parity 42     # then: wait 540, as above
 # The build alone on one GPU (SIDE=0), e.g. regeneration at full size:
@@ -87,7 +87,8 @@ run-parity)
       --cores "$(nproc)" --resources gpu="$GPUS" >"$C/snakemake-$storage.log" 2>&1 || rc=$?
     echo "$(date +%T) build $storage seed $2: exit $rc" >>"$C/status"
     mkdir -p "$C/$storage-seed$2"
-    cp -r "$R/reports" "$R/benchmarks" "$C/$storage-seed$2/" 2>/dev/null || true
+    cp -r "$R/reports" "$R/benchmarks" "$R/logs" "$R/train/summary.json" "$C/$storage-seed$2/" \
+      2>/dev/null || true
   done
   touch "$C/done"
   ;;
