@@ -11,7 +11,11 @@ assistant turn, each the exact token sequence the verifier sees at that turn.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing
+import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,32 +126,31 @@ class _Counts:
 
 
 def prepare_samples(
-    tokenizer, path: Path, cfg, held_out: EvalPromptIndex | None = None
+    tokenizer, path: Path, cfg, held_out: EvalPromptIndex | None = None, workers: int = 1
 ) -> PreparedSamples:
     """Read conversations, build samples with loss masks, count what was dropped and why.
 
     Conversations whose user turns hold an eval prompt of ``held_out`` (copies, substrings,
-    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set.
+    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set. With
+    ``workers`` > 1 the records are tokenized by that many processes; the result is the same.
     """
     check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(path))
     held_out = held_out or EvalPromptIndex()
     stop_at = cfg.max_length if cfg.truncation == "truncate" else None
     out = PreparedSamples([], [], [], Counter(), {})
     counts = _Counts()
-    for lineno, record in read_records(path, cfg.allow_truncated_json):
+    records = read_records(path, cfg.allow_truncated_json)
+    for lineno, record, outcome in _outcomes(records, (tokenizer, held_out, stop_at), workers):
         room = None if cfg.max_samples is None else cfg.max_samples - len(out.ids)
         if room is not None and room <= 0:
             break
         counts.records += 1
-        try:
-            samples, reason, sets = _record_samples(tokenizer, record, held_out, stop_at)
-        except InvalidRecord as exc:
-            if cfg.on_invalid_record == "error":
-                raise UserError(
-                    f"{path}:{lineno}: {exc}; fix the record or set "
-                    "data.on_invalid_record: skip to drop such records"
-                ) from None
-            samples, reason, sets = [], f"invalid: {exc.reason}", set()
+        samples, reason, sets, invalid = outcome
+        if invalid and cfg.on_invalid_record == "error":
+            raise UserError(
+                f"{path}:{lineno}: {invalid}; fix the record or set "
+                "data.on_invalid_record: skip to drop such records"
+            )
         counts.overlap.update(sets)
         if reason:
             counts.dropped[reason] += 1
@@ -161,6 +164,54 @@ def prepare_samples(
     if not out.ids:
         raise _no_samples_error(path, counts)
     return out
+
+
+# What the worker processes of _outcomes tokenize with: (tokenizer, held_out, stop_at), set
+# before they are forked, so that nothing of it is pickled.
+_WORKER_ARGS: tuple | None = None
+
+
+def _outcomes(
+    records: Iterable[tuple[int, Any]], args: tuple, workers: int, window: int = 64
+) -> Iterator[tuple[int, Any, tuple]]:
+    """(line, record, _record_outcome(record)) in file order. With ``workers`` > 1, forked
+    processes compute them ``window`` records a worker at a time, the next window while the
+    caller consumes this one (a caller that stops early wastes at most two windows)."""
+    if workers <= 1:
+        for lineno, record in records:
+            yield lineno, record, _record_outcome(*args, record)
+        return
+    global _WORKER_ARGS
+    _WORKER_ARGS = args
+    # forked workers must not each start the Rust tokenizer's thread pool
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    batches = iter(lambda: list(itertools.islice(records, window * workers)), [])
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        batch = next(batches, None)
+        pending = batch and pool.map_async(_worker_outcome, [r for _, r in batch], chunksize=8)
+        while batch:
+            following = next(batches, None)
+            ahead = following and pool.map_async(
+                _worker_outcome, [r for _, r in following], chunksize=8
+            )
+            for (lineno, record), outcome in zip(batch, pending.get(), strict=True):
+                yield lineno, record, outcome
+            batch, pending = following, ahead
+
+
+def _worker_outcome(record: Any) -> tuple:
+    return _record_outcome(*_WORKER_ARGS, record)
+
+
+def _record_outcome(
+    tokenizer, held_out: EvalPromptIndex, stop_at: int | None, record: Any
+) -> tuple[list[Sample], str, set[int], str]:
+    """_record_samples' (samples, reason, sets) and "", or for a record that cannot be used
+    (no samples, "invalid: <its reason>", no sets, the error's message); picklable."""
+    try:
+        return (*_record_samples(tokenizer, record, held_out, stop_at), "")
+    except InvalidRecord as exc:
+        return [], f"invalid: {exc.reason}", set(), str(exc)
 
 
 def _record_samples(

@@ -15,6 +15,9 @@ rule prepare:
         benchmark("prepare")
     conda:
         "../envs/train.yaml"
+    # tokenizing processes: snakemake gives the job OMP_NUM_THREADS=threads (fewer where fewer
+    # cores are given), which prepare.py reads, so the command, and what reruns, is unchanged
+    threads: 8
     params:
         data=prepare_section(),
         stamp=stamp("prepare"),

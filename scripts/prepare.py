@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -32,6 +33,13 @@ def main() -> None:
     p.add_argument("--out-info", type=Path, required=True)
     p.add_argument("--provenance", type=Path, help="write provenance-<job>.json here")
     p.add_argument("--stamp", help="what made the artifacts (JSON, from the rule)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS") or 1),
+        help="tokenizing processes (default: OMP_NUM_THREADS, which snakemake sets to the "
+        "job's threads; the samples are the same with any number)",
+    )
     a = p.parse_args()
     hold_folders("prepare", a.out_samples, a.out_info, a.provenance)
     section = json.loads(a.data)
@@ -41,7 +49,8 @@ def main() -> None:
     held_out = EvalPromptIndex.build(
         [[x["text"] for x in read_eval_prompts(path, None)] for path in a.eval]
     )
-    prepared = data.prepare_samples(tokenizer, a.train, cfg, held_out)
+    print(f"prepare: {a.workers} tokenizing processes", flush=True)
+    prepared = data.prepare_samples(tokenizer, a.train, cfg, held_out, a.workers)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])
     write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})
     if a.provenance:

@@ -225,6 +225,50 @@ def test_eval_prompts_are_held_out_of_training(tokenizer, tmp_path):
     }
 
 
+def _same_prepared(a, b):
+    assert a.ids == b.ids and a.summary == b.summary and a.token_freq == b.token_freq
+    pairs = [
+        *zip(a.input_ids, b.input_ids, strict=True),
+        *zip(a.loss_masks, b.loss_masks, strict=True),
+    ]
+    for x, y in pairs:
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("max_samples", [None, 7])
+def test_worker_processes_prepare_the_same_samples(tokenizer, tmp_path, max_samples):
+    """Truncation, invalid records, eval overlap and the max_samples cut, with 1 and 2 workers."""
+    from eagle3lib.leakage import EvalPromptIndex
+
+    records = tiny.conversations(12, fmt="openai")
+    records.insert(3, {"messages": [{"role": "user", "content": ""}]})
+    records.insert(6, {"messages": [{"role": "user", "content": "only a question"}]})
+    path = tiny.write_jsonl(tmp_path / "train.jsonl", records)
+    held_out = EvalPromptIndex.build([[records[8]["messages"][0]["content"]]])
+    cfg = PrepareConfig(max_length=40, on_invalid_record="skip", max_samples=max_samples)
+    one = data.prepare_samples(tokenizer, path, cfg, held_out)
+    assert one.summary["truncated"] > 0
+    assert set(one.summary["dropped"]) == {
+        "eval_prompt_overlap", "invalid: empty content", "no_assistant_turn"
+    }  # fmt: skip
+    assert len(one.ids) == (max_samples or 11)
+    _same_prepared(one, data.prepare_samples(tokenizer, path, cfg, held_out, workers=2))
+    with pytest.raises(UserError, match=r"train\.jsonl:4: empty content"):
+        data.prepare_samples(tokenizer, path, PrepareConfig(), workers=2)
+
+
+def test_worker_windows_keep_file_order(tokenizer):
+    from eagle3lib.leakage import EvalPromptIndex
+
+    records = list(enumerate(tiny.conversations(9, fmt="openai")))
+    args = (tokenizer, EvalPromptIndex(), None)
+    serial = list(data._outcomes(iter(records), args, 1))
+    windows = list(data._outcomes(iter(records), args, 2, window=1))  # 5 windows of 2 records
+    assert [line for line, _, _ in windows] == list(range(9))
+    for (_, _, a), (_, _, b) in zip(serial, windows, strict=True):
+        assert [s[0].tolist() for s in a[0]] == [s[0].tolist() for s in b[0]] and a[1:] == b[1:]
+
+
 def test_eval_prompt_formats(tmp_path):
     path = tiny.write_jsonl(
         tmp_path / "p.jsonl",

@@ -146,6 +146,8 @@ def test_first_run_builds_checkpoint_and_report(ws):
     )
     assert progress and progress[-1].endswith("about 0 s left"), out
     assert progress[-1] in (ws.results / "logs" / "train.log").read_text()
+    # rule prepare's threads (8, scaled to the run's 2 cores) reach it as OMP_NUM_THREADS
+    assert "prepare: 2 tokenizing processes" in (ws.results / "logs/prepare.log").read_text()
 
 
 def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_model, tokenizer):
