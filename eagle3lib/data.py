@@ -28,10 +28,17 @@ from eagle3lib.leakage import EvalPromptIndex
 
 def render_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+    return render_ids_batch(tokenizer, [messages], add_generation_prompt)[0]
+
+
+def render_ids_batch(tokenizer, conversations, add_generation_prompt: bool) -> list[list[int]]:
+    """``render_ids`` of several conversations, encoded as one batch (on all cores)."""
+    if not conversations:
+        return []
     ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        conversations, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
     )
-    return list(ids)
+    return [list(x) for x in ids]
 
 
 def check_chat_template(tokenizer, where: str) -> None:

@@ -14,7 +14,7 @@ import concurrent.futures
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ def answer_text(tokenizer, ids: list[int]) -> str:
 
 def regenerate_chunk(
     conversations: list[dict[str, Any]],
-    render: Callable[[list[dict[str, str]]], list[int]],
+    render: Callable[[list[list[dict[str, str]]]], list[list[int]]],
     decode: Callable[[list[int]], str],
     generate: Generate,
     max_length: int,
@@ -91,7 +91,8 @@ def regenerate_chunk(
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Answer every user turn of every conversation (the first ``max_turns``), each given the
-    conversation's regenerated history.
+    conversation's regenerated history. ``render`` gives the token ids of several histories
+    at once (the tokenizer encodes a batch on all cores).
 
     A conversation's next turn is ready once its previous answer is in. Each generate call
     takes the ready turns: all of them (``wave`` None: one call per turn index), or the
@@ -105,28 +106,31 @@ def regenerate_chunk(
     left = [max_turns or sys.maxsize] * len(conversations)  # answers still allowed
     prompts: dict[int, list[int]] = {}
 
-    def ask(i: int) -> None:
-        """Queue conversation i's next user turn (with the system turns before it), if any
-        is left and its prompt leaves room for a reply within max_length."""
-        turns = pending[i]
-        if left[i] == 0:
-            return
-        while turns and turns[0]["role"] == "system":
-            histories[i].append(turns.pop(0))
-        if not turns:
-            return
-        histories[i].append(turns.pop(0))
-        ids = render(histories[i])
-        if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
-            histories[i].pop()
-            return
-        prompts[i] = ids
+    def ask(conversations: Iterable[int]) -> None:
+        """Queue each conversation's next user turn (with the system turns before it), if
+        one is left and its prompt leaves room for a reply within max_length."""
+        asked = []
+        for i in conversations:
+            turns = pending[i]
+            if left[i] == 0:
+                continue
+            while turns and turns[0]["role"] == "system":
+                histories[i].append(turns.pop(0))
+            if turns:
+                histories[i].append(turns.pop(0))
+                asked.append(i)
+        for i, ids in zip(
+            asked, render([histories[i] for i in asked]) if asked else [], strict=True
+        ):
+            if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
+                histories[i].pop()
+            else:
+                prompts[i] = ids
 
     def users_left(i: int) -> int:
         return min(left[i], sum(m["role"] == "user" for m in pending[i]))
 
-    for i in range(len(conversations)):
-        ask(i)
+    ask(range(len(conversations)))
     answered = calls = 0
     while prompts:
         ready = sorted(prompts)
@@ -135,7 +139,7 @@ def regenerate_chunk(
         for i, new in zip(ready, generate([prompts.pop(i) for i in ready]), strict=True):
             histories[i].append({"role": "assistant", "content": decode(new)})
             left[i] -= 1
-            ask(i)
+        ask(ready)
         answered, calls = answered + len(ready), calls + 1
         if progress is not None:
             at_most = len(prompts) + sum(users_left(i) for i in range(len(conversations)))

@@ -39,7 +39,7 @@ def main() -> None:
 
     from eagle3lib import regenerate as rg
     from eagle3lib.config import RegenerateConfig, from_dict
-    from eagle3lib.data import check_chat_template, render_ids
+    from eagle3lib.data import check_chat_template, render_ids_batch
     from eagle3lib.verifier import load_tokenizer, read_record
 
     data = json.loads(a.data)
@@ -55,8 +55,8 @@ def main() -> None:
         data.get("on_invalid_record", "error"),
     )
 
-    def render(messages):
-        return render_ids(tokenizer, messages, add_generation_prompt=True)
+    def render(histories):
+        return render_ids_batch(tokenizer, histories, add_generation_prompt=True)
 
     def decode(ids):
         return rg.answer_text(tokenizer, ids)

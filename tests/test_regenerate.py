@@ -18,9 +18,9 @@ def fake_generate(prompts):
     return [[len(p)] for p in prompts]
 
 
-def render(messages):
+def render(histories):
     # one token per character of every turn: the prompt length encodes the history
-    return [0] * sum(len(m["content"]) + 1 for m in messages)
+    return [[0] * sum(len(m["content"]) + 1 for m in messages) for messages in histories]
 
 
 def decode(ids):
@@ -122,8 +122,15 @@ def test_a_wave_fills_every_call_and_runs_long_conversations_alongside_short_one
     by_turn = rg.regenerate_chunk([*short, long], render, decode, counting, 1000)
     assert calls == [[4, 4, 4, 4, 3], [9], [15], [22]]  # 3 + 1 + 1 + 1 batches of 2
     calls.clear()
-    waved = rg.regenerate_chunk([*short, long], render, decode, counting, 1000, wave=2)
+    renders = []
+
+    def batch_render(histories):
+        renders.append(len(histories))
+        return render(histories)
+
+    waved = rg.regenerate_chunk([*short, long], batch_render, decode, counting, 1000, wave=2)
     assert waved == by_turn
+    assert renders == [5, 1, 1, 1]  # all first prompts at once, then a's next turns
     # a's four turns each go beside the next short conversation in chunk order: 4 calls
     assert calls == [[3, 4], [9, 4], [15, 4], [4, 22]]
     calls.clear()
