@@ -506,6 +506,38 @@ def test_a_local_gguf_is_converted_and_identified_by_its_content(
     )
 
 
+def test_gguf_conversion_parses_the_file_once_and_writes_the_same_bytes(
+    gguf, tmp_path, monkeypatch
+):
+    """transformers reads a GGUF file three times (tokenizer, config, weights); the conversion
+    shares one parse and writes exactly what three parses write."""
+    import contextlib
+
+    import gguf as gguf_lib
+
+    from eagle3lib import verifier
+
+    parsed = []
+
+    class Counting(gguf_lib.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(Path(path).name)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf_lib, "GGUFReader", Counting)
+    verifier.convert_gguf(gguf, tmp_path / "once")
+    assert parsed == [gguf.name] and gguf_lib.GGUFReader is Counting  # restored after
+    monkeypatch.setattr(verifier, "gguf_parsed_once", contextlib.nullcontext)
+    verifier.convert_gguf(gguf, tmp_path / "thrice")
+    assert len(parsed) == 4
+    files = sorted(p.name for p in (tmp_path / "once").iterdir())
+    assert "model.safetensors" in files and files == sorted(
+        p.name for p in (tmp_path / "thrice").iterdir()
+    )
+    for name in files:
+        assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "thrice" / name).read_bytes()
+
+
 @pytest.mark.slow
 def test_a_local_gguf_verifier_in_the_workflow(gguf, tmp_path, tmp_path_factory):
     """verifier.path: models/tiny-llama.gguf (relative) in a real run: converted once under
