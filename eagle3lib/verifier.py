@@ -47,20 +47,22 @@ def gguf_parsed_once():
     """
     import gguf
 
-    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    real = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
     readers: dict[tuple[str, str], Any] = {}
 
     def reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = real_reader(path, mode)
+            readers[key] = real["GGUFReader"](path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(real["get_tensor_name_map"])
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+        for name, value in real.items():
+            setattr(gguf, name, value)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
