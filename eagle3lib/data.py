@@ -183,7 +183,9 @@ def _outcomes(
 ) -> Iterator[tuple[int, Any, tuple]]:
     """(line, record, _record_outcome(record)) in file order. With ``workers`` > 1, forked
     processes compute them ``window`` records a worker at a time, the next window while the
-    caller consumes this one (a caller that stops early wastes at most two windows)."""
+    caller consumes this one (a caller that stops early wastes at most two windows). An error
+    in reading the records is raised where one process would meet it: after the records
+    before it, and not at all for a caller that stops earlier."""
     if workers <= 1:
         for lineno, record in records:
             yield lineno, record, _record_outcome(*args, record)
@@ -192,18 +194,30 @@ def _outcomes(
     _WORKER_ARGS = args
     # forked workers must not each start the Rust tokenizer's thread pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    batches = iter(lambda: list(itertools.islice(records, window * workers)), [])
+    size = window * workers
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        batch = next(batches, None)
-        pending = batch and pool.map_async(_worker_outcome, [r for _, r in batch], chunksize=8)
-        while batch:
-            following = next(batches, None)
-            ahead = following and pool.map_async(
-                _worker_outcome, [r for _, r in following], chunksize=8
-            )
-            for (lineno, record), outcome in zip(batch, pending.get(), strict=True):
+
+        def read_window():
+            batch, error = [], None
+            try:
+                batch.extend(itertools.islice(records, size))
+            except Exception as exc:  # noqa: BLE001 - raised below, in file order
+                error = exc
+            outcomes = pool.map_async(_worker_outcome, [r for _, r in batch], chunksize=8)
+            return batch, outcomes, error
+
+        current = read_window()
+        while True:
+            batch, outcomes, error = current
+            more = len(batch) == size and error is None
+            if more:
+                current = read_window()
+            for (lineno, record), outcome in zip(batch, outcomes.get(), strict=True):
                 yield lineno, record, outcome
-            batch, pending = following, ahead
+            if error is not None:
+                raise error
+            if not more:
+                return
 
 
 def _worker_outcome(record: Any) -> tuple:

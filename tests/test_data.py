@@ -257,6 +257,19 @@ def test_worker_processes_prepare_the_same_samples(tokenizer, tmp_path, max_samp
         data.prepare_samples(tokenizer, path, PrepareConfig(), workers=2)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_bad_line_after_max_samples_is_never_met(tokenizer, tmp_path, workers):
+    """Worker processes read ahead; an unreadable line past the samples asked for still does
+    not fail the job, and one before them fails it naming the line, as with one process."""
+    lines = [json.dumps(r) for r in tiny.conversations(6, fmt="openai")]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join([*lines[:4], "{not json", *lines[4:]]) + "\n")
+    prepared = data.prepare_samples(tokenizer, path, PrepareConfig(max_samples=3), workers=workers)
+    assert prepared.ids == ["c0", "c1", "c2"]
+    with pytest.raises(UserError, match=r"train\.jsonl:5: invalid JSON"):
+        data.prepare_samples(tokenizer, path, PrepareConfig(max_samples=5), workers=workers)
+
+
 def test_worker_windows_keep_file_order(tokenizer):
     from eagle3lib.leakage import EvalPromptIndex
 
