@@ -98,15 +98,15 @@ run)
   python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
     >"$C/snakemake.log" 2>&1 &
   SM=$!
-  if [ "$SIDE" = 1 ] && until_exists "$R/logs/train.log"; then
+  if [ "$SIDE" != 0 ] && until_exists "$R/logs/train.log"; then
     side dtype python3 bench/acceptance_gap.py dtype --run "$R" --prompts "$PROMPTS" \
       --json "$C/dtype.json"
   fi
-  if [ "$SIDE" = 1 ] && [ -n "$TRAIN_ARGS" ]; then
+  if [ "$SIDE" != 0 ] && [ -n "$TRAIN_ARGS" ]; then
     # shellcheck disable=SC2086
     side bench_train python3 bench/train.py $TRAIN_ARGS --out "$C/bench-train"
   fi
-  if [ "$SIDE" = 1 ] && until_exists "$R/reports/checkpoint.json"; then
+  if [ "$SIDE" != 0 ] && until_exists "$R/reports/checkpoint.json"; then
     side draft python3 bench/acceptance_gap.py draft --run "$R" --prompts "$PROMPTS" \
       --method "$METHOD" --k 3 5 --json "$C/draft.json"
   fi

@@ -10,6 +10,7 @@ assistant turn, each the exact token sequence the verifier sees at that turn.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import multiprocessing
@@ -149,8 +150,6 @@ def prepare_samples(
     records = read_records(path, cfg.allow_truncated_json)
     for lineno, record, outcome in _outcomes(records, (tokenizer, held_out, stop_at), workers):
         room = None if cfg.max_samples is None else cfg.max_samples - len(out.ids)
-        if room is not None and room <= 0:
-            break
         counts.records += 1
         samples, reason, sets, invalid = outcome
         if invalid and cfg.on_invalid_record == "error":
@@ -167,6 +166,8 @@ def prepare_samples(
         counts.truncated += truncated
         for sample_id, input_ids, loss_mask in kept:
             out.add(sample_id, input_ids, loss_mask)
+        if room is not None and len(kept) >= room:
+            break  # enough samples: no later record is read (nor computed, nor an error in it)
     out.summary = _summary(out, counts, held_out)
     if not out.ids:
         raise _no_samples_error(path, counts)
@@ -184,44 +185,59 @@ def _outcomes(
     """(line, record, _record_outcome(record)) in file order. With ``workers`` > 1, forked
     processes compute them ``window`` records a worker at a time, the next window while the
     caller consumes this one (a caller that stops early wastes at most two windows). An error
-    in reading the records is raised where one process would meet it: after the records
-    before it, and not at all for a caller that stops earlier."""
+    in reading a record or in computing its outcome is raised where one process would meet
+    it: after the records before it, and not at all for a caller that stops earlier. A worker
+    that dies (e.g. killed for memory) fails the call instead of hanging it."""
     if workers <= 1:
         for lineno, record in records:
             yield lineno, record, _record_outcome(*args, record)
         return
     global _WORKER_ARGS
     _WORKER_ARGS = args
-    # forked workers must not each start the Rust tokenizer's thread pool
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     size = window * workers
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start
+    )
 
-        def read_window():
-            batch, error = [], None
-            try:
-                batch.extend(itertools.islice(records, size))
-            except Exception as exc:  # noqa: BLE001 - raised below, in file order
-                error = exc
-            outcomes = pool.map_async(_worker_outcome, [r for _, r in batch], chunksize=8)
-            return batch, outcomes, error
+    def read_window():
+        batch, error = [], None
+        try:
+            batch.extend(itertools.islice(records, size))
+        except Exception as exc:  # noqa: BLE001 - raised below, in file order
+            error = exc
+        return batch, pool.map(_worker_outcome, [r for _, r in batch], chunksize=8), error
 
+    try:
         current = read_window()
         while True:
             batch, outcomes, error = current
             more = len(batch) == size and error is None
             if more:
                 current = read_window()
-            for (lineno, record), outcome in zip(batch, outcomes.get(), strict=True):
+            for (lineno, record), outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
                 yield lineno, record, outcome
             if error is not None:
                 raise error
             if not more:
                 return
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _WORKER_ARGS = None
 
 
-def _worker_outcome(record: Any) -> tuple:
-    return _record_outcome(*_WORKER_ARGS, record)
+def _worker_start() -> None:
+    # each forked worker encodes one conversation at a time: no Rust thread pool per worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _worker_outcome(record: Any) -> tuple | Exception:
+    """_record_outcome in a worker; an unexpected error is returned, to be raised in order."""
+    try:
+        return _record_outcome(*_WORKER_ARGS, record)
+    except Exception as exc:  # noqa: BLE001 - raised by _outcomes at this record
+        return exc
 
 
 def _record_outcome(

@@ -96,7 +96,8 @@ def regenerate_chunk(
 
     A conversation's next turn is ready once its previous answer is in. Each generate call
     takes the ready turns: all of them (``wave`` None: one call per turn index), or the
-    ``wave`` whose conversations have the most user turns left (ties: chunk order). With
+    ``wave`` whose conversations have the most user turns left (ties: the shorter prompts,
+    then chunk order). With
     ``wave`` the size of a generate batch, every call but the last is a full batch and the
     long conversations are answered alongside the short ones instead of after them, so a
     chunk needs about (its turns / ``wave``) calls rather than one per turn index.
@@ -128,14 +129,15 @@ def regenerate_chunk(
                 prompts[i] = ids
 
     def users_left(i: int) -> int:
-        return min(left[i], sum(m["role"] == "user" for m in pending[i]))
+        """User turns conversation i may still have answered after its queued one."""
+        return min(left[i] - (i in prompts), sum(m["role"] == "user" for m in pending[i]))
 
     ask(range(len(conversations)))
     answered = calls = 0
     while prompts:
         ready = sorted(prompts)
-        if wave is not None:
-            ready = sorted(ready, key=lambda i: -users_left(i))[:wave]
+        if wave is not None:  # ties: the shorter prompts (less padding), then chunk order
+            ready = sorted(ready, key=lambda i: (-users_left(i), len(prompts[i])))[:wave]
         for i, new in zip(ready, generate([prompts.pop(i) for i in ready]), strict=True):
             histories[i].append({"role": "assistant", "content": decode(new)})
             left[i] -= 1

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
@@ -14,6 +15,13 @@ from eagle3lib.fileio import write_json
 from eagle3lib.leakage import EvalPromptIndex
 from eagle3lib.lifetime import hold_folders
 from eagle3lib.verifier import load_tokenizer, read_record
+
+
+def job_threads() -> int:
+    """The job's threads: snakemake sets OMP_NUM_THREADS to them (its leading number counts;
+    1 without it), at most the CPUs this process may run on."""
+    given = re.match(r"\s*(\d+)", os.environ.get("OMP_NUM_THREADS", ""))
+    return max(1, min(int(given[1]) if given else 1, len(os.sched_getaffinity(0))))
 
 
 @cli
@@ -36,9 +44,9 @@ def main() -> None:
     p.add_argument(
         "--workers",
         type=int,
-        default=int(os.environ.get("OMP_NUM_THREADS") or 1),
+        default=job_threads(),
         help="tokenizing processes (default: OMP_NUM_THREADS, which snakemake sets to the "
-        "job's threads; the samples are the same with any number)",
+        "job's threads, at most this process's CPUs; the samples are the same with any number)",
     )
     a = p.parse_args()
     hold_folders("prepare", a.out_samples, a.out_info, a.provenance)

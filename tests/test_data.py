@@ -270,6 +270,57 @@ def test_a_bad_line_after_max_samples_is_never_met(tokenizer, tmp_path, workers)
         data.prepare_samples(tokenizer, path, PrepareConfig(max_samples=5), workers=workers)
 
 
+def test_a_worker_error_is_raised_at_its_record_and_a_dead_worker_fails_the_job(
+    tokenizer, tmp_path, monkeypatch
+):
+    """Forked workers inherit the patched function: an error at the fourth record does not
+    stop a run that needs three, and is raised by one that needs five; a worker killed by
+    the kernel (e.g. for memory) fails the job instead of hanging it."""
+    import concurrent.futures
+    import os
+    import signal
+
+    path = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(6, fmt="openai"))
+    real = data._record_samples
+
+    def failing(tokenizer, record, *args):
+        if record["id"] == "c3":
+            raise RuntimeError("a bug at c3")
+        return real(tokenizer, record, *args)
+
+    monkeypatch.setattr(data, "_record_samples", failing)
+    cfg = PrepareConfig(max_samples=3)
+    assert data.prepare_samples(tokenizer, path, cfg, workers=2).ids == ["c0", "c1", "c2"]
+    with pytest.raises(RuntimeError, match="a bug at c3"):
+        data.prepare_samples(tokenizer, path, PrepareConfig(max_samples=5), workers=2)
+
+    def killed(tokenizer, record, *args):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(data, "_record_samples", killed)
+    signal.alarm(120)  # a hang fails the test run instead of stalling it
+    try:
+        with pytest.raises(concurrent.futures.process.BrokenProcessPool):
+            data.prepare_samples(tokenizer, path, PrepareConfig(), workers=2)
+    finally:
+        signal.alarm(0)
+
+
+def test_prepare_takes_its_worker_count_from_the_jobs_threads(monkeypatch):
+    """snakemake sets OMP_NUM_THREADS to a job's threads; prepare.py uses its leading number,
+    at most the CPUs the process may run on."""
+    import importlib
+    import os
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    prepare = importlib.import_module("prepare")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    for value, expected in [("", 1), ("3", 3), ("8,4", 4), ("abc", 1), ("2", 2)]:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert prepare.job_threads() == expected, value
+
+
 def test_worker_windows_keep_file_order(tokenizer):
     from eagle3lib.leakage import EvalPromptIndex
 

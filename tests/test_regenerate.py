@@ -136,7 +136,9 @@ def test_a_wave_fills_every_call_and_runs_long_conversations_alongside_short_one
     calls.clear()
     capped = rg.regenerate_chunk([*short, long], render, decode, counting, 1000, 2, wave=2)
     assert capped == [*by_turn[:4], {"id": "a", "messages": by_turn[4]["messages"][:4]}]
-    assert calls == [[3, 4], [9, 4], [4, 4]]  # max_turns counts in the priority
+    # max_turns counts in the priority: a's second (last allowed) turn ties with the short
+    # ones, which go first for their shorter prompts
+    assert calls == [[3, 4], [4, 4], [4, 9]]
 
 
 def test_max_turns_keeps_the_system_turns_after_the_last_answer_out_and_progress_is_logged():
