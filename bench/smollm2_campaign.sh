@@ -27,7 +27,9 @@ PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
-SIDE=${SIDE:-1} # 0: the build alone, no side checks (on one GPU they would queue with its jobs)
+# Side checks: 1 while the build runs (on the GPU it leaves free), 0 none (the build alone: on one
+# GPU they would queue with its jobs), after: only the draft check, once the build has ended
+SIDE=${SIDE:-1}
 # GPUs the builds lease (--resources gpu=N): every GPU of the machine (none without nvidia-smi)
 GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #
@@ -36,8 +38,9 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 # build's reports, benchmarks, logs and training summary are kept in $C/<storage>-seed<SEED>:
 #   CONFIGS="configs/smollm2-gpu.yaml configs/overlays/no-regen.yaml" \
 #     bench/smollm2_campaign.sh start-parity 42     # then: wait 540, as above
-# The build alone on one GPU (SIDE=0), e.g. regeneration at full size:
-#   SIDE=0 RUN_NAME=smollm2-gpu-regen-all \
+# The build alone on one GPU (SIDE=0, or SIDE=after for the draft check once it has ended), e.g.
+# regeneration at full size:
+#   SIDE=after RUN_NAME=smollm2-gpu-regen-all \
 #     CONFIGS="configs/smollm2-gpu.yaml configs/overlays/regen-all.yaml" bench/smollm2_campaign.sh start
 # (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
@@ -53,6 +56,11 @@ side() { # NAME COMMAND...: on one GPU leased through the workflow's locks, logg
   else
     echo "$(date +%T) $name: FAILED ($?)" >>"$C/status"
   fi
+}
+
+draft_check() { # the draft on MT-bench and on held-out ShareGPT prompts (acceptance_gap.py)
+  side draft python3 bench/acceptance_gap.py draft --run "$R" --prompts "$PROMPTS" \
+    --method "$METHOD" --k 3 5 --json "$C/draft.json"
 }
 
 until_exists() { # PATH: wait until it exists (true) or the build has ended without it (false)
@@ -98,21 +106,24 @@ run)
   python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
     >"$C/snakemake.log" 2>&1 &
   SM=$!
-  if [ "$SIDE" != 0 ] && until_exists "$R/logs/train.log"; then
+  during=$([ "$SIDE" != 0 ] && [ "$SIDE" != after ] && echo 1 || true)
+  if [ -n "$during" ] && until_exists "$R/logs/train.log"; then
     side dtype python3 bench/acceptance_gap.py dtype --run "$R" --prompts "$PROMPTS" \
       --json "$C/dtype.json"
   fi
-  if [ "$SIDE" != 0 ] && [ -n "$TRAIN_ARGS" ]; then
+  if [ -n "$during" ] && [ -n "$TRAIN_ARGS" ]; then
     # shellcheck disable=SC2086
     side bench_train python3 bench/train.py $TRAIN_ARGS --out "$C/bench-train"
   fi
-  if [ "$SIDE" != 0 ] && until_exists "$R/reports/checkpoint.json"; then
-    side draft python3 bench/acceptance_gap.py draft --run "$R" --prompts "$PROMPTS" \
-      --method "$METHOD" --k 3 5 --json "$C/draft.json"
+  if [ -n "$during" ] && until_exists "$R/reports/checkpoint.json"; then
+    draft_check
   fi
   rc=0
   wait "$SM" || rc=$?
   echo "$(date +%T) build: exit $rc" >>"$C/status"
+  if [ "$SIDE" = after ] && [ -e "$R/reports/checkpoint.json" ]; then
+    draft_check
+  fi
   touch "$C/done"
   ;;
 wait)
