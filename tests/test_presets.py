@@ -37,6 +37,7 @@ PRESET_GATE = {
 OVERLAY_GATES = {
     "cpu-slice": {},  # null: a draft of six conversations is not gated
     "no-regen": {"mtbench": {"3": 2.403, "5": 2.748}, "humaneval": {"3": 2.678, "5": 3.179}},
+    "no-regen-all": {"mtbench": {"3": 2.403, "5": 2.748}, "humaneval": {"3": 2.678, "5": 3.179}},
     "regen-2-gpus": PRESET_GATE,
     "regen-all": PRESET_GATE,
 }
