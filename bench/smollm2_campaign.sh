@@ -138,6 +138,15 @@ wait)
   tar -czf "${OUT:?}/campaign.tgz" --exclude "*.safetensors" --exclude "bench-train/*/*" \
     "$C" "${small[@]}" 2>/dev/null || true
   ls -l "$OUT/campaign.tgz"
+  # the regenerated conversations, once (gzip, in parts a call can bring back): a build that
+  # does not finish in the session's device time can start from them next time, as
+  # data.train.path with regeneration off
+  if [ -e "$R/regenerated/conversations.jsonl" ] && [ ! -e "$C/regenerated.sha256" ]; then
+    gzip -9 -n -c "$R/regenerated/conversations.jsonl" >"$C/regenerated.jsonl.gz"
+    split -b 15M -d -a 2 "$C/regenerated.jsonl.gz" "$OUT/regenerated.jsonl.gz.part-"
+    (cd "$C" && sha256sum regenerated.jsonl.gz >regenerated.sha256) && cp "$C/regenerated.sha256" "$OUT/"
+    ls -l "$OUT"/regenerated.*
+  fi
   cat "$C/status"
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1
