@@ -78,6 +78,7 @@ class PrepareConfig:
     on_invalid_record: str = "error"
     max_samples: int | None = None
     allow_truncated_json: bool = False
+    dedupe: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,6 +200,19 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
     return messages
 
 
+def first_prompt_key(messages: list[dict[str, str]]) -> str | None:
+    """What data.train.dedupe compares: the system turns before the first user turn and that
+    turn, whitespace collapsed and case folded (None without a user turn). Two conversations
+    with the same key get the same greedy reply to their first turn."""
+    parts = []
+    for m in messages:
+        if m["role"] in ("system", "user"):
+            parts.append(f"{m['role']}: {' '.join(m['content'].split()).casefold()}")
+        if m["role"] == "user":
+            return "\n".join(parts)
+    return None
+
+
 def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str]]:
     """Held-out prompts: MT-bench ({turns}), HumanEval ({prompt}) or conversations (first user turn)."""
     prompts = []

@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from eagle3lib.conversations import InvalidRecord, normalize_conversation, read_records
+from eagle3lib.conversations import (
+    InvalidRecord,
+    first_prompt_key,
+    normalize_conversation,
+    read_records,
+)
 from eagle3lib.errors import UserError
 from eagle3lib.leakage import EvalPromptIndex
 
@@ -139,8 +144,10 @@ def prepare_samples(
     """Read conversations, build samples with loss masks, count what was dropped and why.
 
     Conversations whose user turns hold an eval prompt of ``held_out`` (copies, substrings,
-    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set. With
-    ``workers`` > 1 the records are tokenized by that many processes; the result is the same.
+    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set; with
+    ``cfg.dedupe``, so are those whose first prompt repeats a kept conversation's
+    (conversations.first_prompt_key). With ``workers`` > 1 the records are tokenized by that
+    many processes; the result is the same.
     """
     check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(path))
     held_out = held_out or EvalPromptIndex()
@@ -148,22 +155,27 @@ def prepare_samples(
     out = PreparedSamples([], [], [], Counter(), {})
     counts = _Counts()
     records = read_records(path, cfg.allow_truncated_json)
+    kept_prompts: set[str] = set()  # first_prompt_key of the conversations kept (dedupe)
     for lineno, record, outcome in _outcomes(records, (tokenizer, held_out, stop_at), workers):
         room = None if cfg.max_samples is None else cfg.max_samples - len(out.ids)
         counts.records += 1
-        samples, reason, sets, invalid = outcome
+        samples, reason, sets, invalid, key = outcome
         if invalid and cfg.on_invalid_record == "error":
             raise UserError(
                 f"{path}:{lineno}: {invalid}; fix the record or set "
                 "data.on_invalid_record: skip to drop such records"
             )
         counts.overlap.update(sets)
+        if not reason and cfg.dedupe and key in kept_prompts:
+            reason = "repeated_prompt"
         if reason:
             counts.dropped[reason] += 1
             continue
         kept, dropped, truncated = _fit_samples(samples, _record_id(record, lineno), cfg, room)
         counts.dropped.update(dropped)
         counts.truncated += truncated
+        if kept:
+            kept_prompts.add(key)
         for sample_id, input_ids, loss_mask in kept:
             out.add(sample_id, input_ids, loss_mask)
         if room is not None and len(kept) >= room:
@@ -242,13 +254,18 @@ def _worker_outcome(record: Any) -> tuple | Exception:
 
 def _record_outcome(
     tokenizer, held_out: EvalPromptIndex, stop_at: int | None, record: Any
-) -> tuple[list[Sample], str, set[int], str]:
-    """_record_samples' (samples, reason, sets) and "", or for a record that cannot be used
-    (no samples, "invalid: <its reason>", no sets, the error's message); picklable."""
+) -> tuple[list[Sample], str, set[int], str, str | None]:
+    """_record_samples' (samples, reason, sets), "" and the record's first_prompt_key, or for
+    a record that cannot be used (no samples, "invalid: <its reason>", no sets, the error's
+    message, None); picklable."""
     try:
-        return (*_record_samples(tokenizer, record, held_out, stop_at), "")
+        return (*_record_samples(tokenizer, record, held_out, stop_at), "", _prompt_key(record))
     except InvalidRecord as exc:
-        return [], f"invalid: {exc.reason}", set(), str(exc)
+        return [], f"invalid: {exc.reason}", set(), str(exc), None
+
+
+def _prompt_key(record: Any) -> str | None:
+    return first_prompt_key(normalize_conversation(record))
 
 
 def _record_samples(
@@ -333,6 +350,7 @@ DROP_REMEDIES = {
     ),
     "no_assistant_turn": "give every conversation an assistant reply after a user turn",
     "eval_prompt_overlap": "the training data repeats the eval prompts: use other data.eval",
+    "repeated_prompt": "every conversation repeats an earlier one: set data.train.dedupe: false",
 }
 
 

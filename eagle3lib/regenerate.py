@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.config import RegenerateConfig
-from eagle3lib.conversations import InvalidRecord, normalize_conversation, read_records
+from eagle3lib.conversations import (
+    InvalidRecord,
+    first_prompt_key,
+    normalize_conversation,
+    read_records,
+)
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
@@ -48,10 +53,18 @@ def prompts_of(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def read_conversations(
-    path: Path, limit: int | None, allow_truncated: bool, on_invalid: str
+    path: Path,
+    limit: int | None,
+    allow_truncated: bool,
+    on_invalid: str,
+    dedupe: bool = False,
+    log=None,
 ) -> list[dict[str, Any]]:
-    """The first ``limit`` usable conversations with at least one user turn."""
+    """The first ``limit`` usable conversations with at least one user turn; with ``dedupe``,
+    none whose first prompt repeats an earlier one's (conversations.first_prompt_key)."""
     out = []
+    seen: set[str] = set()
+    repeats = 0
     for lineno, record in read_records(path, allow_truncated):
         if limit is not None and len(out) >= limit:
             break
@@ -66,8 +79,16 @@ def read_conversations(
         turns = prompts_of(messages)
         if not any(m["role"] == "user" for m in turns):
             continue
+        if dedupe:
+            key = first_prompt_key(turns)
+            if key in seen:
+                repeats += 1
+                continue
+            seen.add(key)
         rid = str(record.get("id", lineno)) if isinstance(record, dict) else str(lineno)
         out.append({"id": rid, "turns": turns})
+    if dedupe and log is not None:
+        log(f"regenerate: {repeats} conversation(s) skipped: first prompt repeats an earlier one")
     if not out:
         raise UserError(f"{path}: no conversation with a user turn to regenerate")
     return out

@@ -72,9 +72,15 @@ def overlap_row(data: dict[str, Any]) -> list[str]:
     if not overlap:
         return []
     counts = ", ".join(f"{n} {c}" for n, c in overlap["dropped_per_eval_set"].items())
+    repeats = data["dropped"].get("repeated_prompt")
     return [
         f"| training conversations dropped as holding an eval prompt "
-        f"(>= {overlap['min_containment']:.0%} of its word {overlap['ngram']}-grams) | {counts} |"
+        f"(>= {overlap['min_containment']:.0%} of its word {overlap['ngram']}-grams) | {counts} |",
+        *(
+            [f"| training conversations dropped as repeating a first prompt (dedupe) | {repeats} |"]
+            if repeats is not None
+            else []
+        ),
     ]
 
 

@@ -355,10 +355,19 @@ def train_nodes_allowed(wildcards):
     return []
 
 
+def train_data():
+    """data.train as a rule's parameter: dedupe only when on, so that runs made before the
+    key existed stay current."""
+    train = dict(config["data"]["train"])
+    if not train["dedupe"]:
+        del train["dedupe"]
+    return train
+
+
 def prepare_section():
     """What decides the prepared samples (eval files are inputs; their names and prompt counts
     are not)."""
-    data = dict(config["data"])
+    data = dict(config["data"], train=train_data())
     data["eval"] = {
         k: v for k, v in data["eval"].items() if k not in ("max_prompts", "name")
     }
@@ -371,7 +380,7 @@ def prepare_section():
 
 def regenerate_data():
     """What decides the regenerated conversations of the data section (not the eval sets)."""
-    data = config["data"]
+    data = dict(config["data"], train=train_data())
     keys = ("train", "max_length", "on_invalid_record")
     return json.dumps({k: data[k] for k in keys}, sort_keys=True)
 

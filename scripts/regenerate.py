@@ -53,6 +53,8 @@ def main() -> None:
         data["train"].get("max_samples"),
         data["train"].get("allow_truncated_json", False),
         data.get("on_invalid_record", "error"),
+        data["train"].get("dedupe", False),
+        log=rg.log_stderr,
     )
 
     def render(histories):

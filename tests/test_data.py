@@ -160,6 +160,50 @@ def test_prepare_counts_drops_and_token_frequencies(tokenizer, tmp_path):
     assert prepared.ids[:2] == ["c0", "c1"]
 
 
+def repeats_of(records):
+    """records with copies of the first and third conversations' first prompts (spacing and
+    case changed, other replies), a copy under another system turn, and one of a dropped
+    conversation's prompt."""
+    first, third = records[0]["messages"], records[2]["messages"]
+    return [
+        *records,
+        {"messages": [{"role": "user", "content": "  " + first[0]["content"].upper()},
+                      {"role": "assistant", "content": "another reply"}]},
+        {"messages": [third[0], {"role": "assistant", "content": "x"}, *first[:2]]},
+        {"messages": [{"role": "system", "content": "Be brief."}, *first[:2]]},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+        {"messages": [{"role": "user", "content": "only a question"},
+                      {"role": "assistant", "content": "now answered"}]},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dedupe_drops_conversations_repeating_a_kept_first_prompt(tokenizer, tmp_path, workers):
+    records = repeats_of(tiny.conversations(4, fmt="openai"))
+    path = tiny.write_jsonl(tmp_path / "train.jsonl", records)
+    every = data.prepare_samples(tokenizer, path, PrepareConfig(), workers=workers)
+    assert every.summary["samples"] == 8 and "repeated_prompt" not in every.summary["dropped"]
+    cfg = PrepareConfig(dedupe=True, max_samples=5)
+    deduped = data.prepare_samples(tokenizer, path, cfg, workers=workers)
+    # the system-turn copy is another prompt; the answered "only a question" follows a
+    # conversation that was dropped (no reply), so it repeats nothing kept
+    assert deduped.ids == ["c0", "c1", "c2", "c3", "7"]
+    assert deduped.summary["dropped"] == {"repeated_prompt": 2}
+    assert deduped.summary["samples"] == 5
+    all_kept = data.prepare_samples(tokenizer, path, PrepareConfig(dedupe=True), workers=workers)
+    assert all_kept.ids == ["c0", "c1", "c2", "c3", "7", "9"]
+    assert all_kept.summary["dropped"] == {"repeated_prompt": 2, "no_assistant_turn": 1}
+
+
+def test_first_prompt_key_ignores_spacing_case_and_later_turns():
+    key = conversations.first_prompt_key
+    chat = [{"role": "user", "content": "Hello  there\n"}, {"role": "assistant", "content": "a"}]
+    assert key(chat) == key([{"role": "user", "content": "hello there"}]) == "user: hello there"
+    assert key([{"role": "system", "content": "S"}, *chat]) == "system: s\nuser: hello there"
+    assert key([{"role": "user", "content": "hello"}]) != key(chat)
+    assert key([{"role": "assistant", "content": "no user turn"}]) is None
+
+
 def test_invalid_record_is_fatal_by_default(tokenizer, tmp_path):
     records = [
         *tiny.conversations(2, fmt="openai"),

@@ -173,6 +173,19 @@ def test_original_assistant_turns_are_dropped(tmp_path):
         rg.read_conversations(tiny.write_jsonl(tmp_path / "e.jsonl", []), None, False, "error")
 
 
+def test_dedupe_skips_repeated_first_prompts_before_counting_the_limit(tmp_path):
+    records = tiny.conversations(3, fmt="sharegpt")
+    copy = {"id": "copy", "conversations": [dict(records[0]["conversations"][0]),
+                                             {"from": "gpt", "value": "another answer"}]}  # fmt: skip
+    copy["conversations"][0]["value"] = copy["conversations"][0]["value"].upper() + " "
+    path = tiny.write_jsonl(tmp_path / "c.jsonl", [records[0], copy, *records[1:]])
+    assert [c["id"] for c in rg.read_conversations(path, 3, False, "error")] == ["c0", "copy", "c1"]
+    logged = []
+    convs = rg.read_conversations(path, 3, False, "error", dedupe=True, log=logged.append)
+    assert [c["id"] for c in convs] == ["c0", "c1", "c2"]
+    assert logged == ["regenerate: 1 conversation(s) skipped: first prompt repeats an earlier one"]
+
+
 @pytest.mark.parametrize("kv_cache", ["static", "dynamic", "static, one shape"])
 def test_hf_backend_replies_are_the_verifiers_greedy_text(
     verifier_model, tokenizer, kv_cache, monkeypatch

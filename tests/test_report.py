@@ -140,6 +140,13 @@ def test_eval_overlap_is_published_per_eval_set_name():
     assert prepare["eval_overlap"]["dropped_per_eval_file"] == [0, 1]  # not changed in place
     [row] = report_text.overlap_row(data)
     assert row.endswith("(>= 70% of its word 8-grams) | mtbench 0, humaneval 1 |")
+    deduped = report.data_summary(
+        {**prepare, "dropped": {"eval_prompt_overlap": 1, "repeated_prompt": 875}},
+        offline_record(),
+    )
+    assert report_text.overlap_row(deduped)[1] == (
+        "| training conversations dropped as repeating a first prompt (dedupe) | 875 |"
+    )
     broken = copy.deepcopy(prepare)
     broken["eval_overlap"]["dropped_per_eval_file"] = [0, 1, 2]
     with pytest.raises(ValueError):  # counts of other eval sets than evaluate ran
