@@ -42,6 +42,12 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 # regeneration at full size:
 #   SIDE=after RUN_NAME=smollm2-gpu-regen-all \
 #     CONFIGS="configs/smollm2-gpu.yaml configs/overlays/regen-all.yaml" bench/smollm2_campaign.sh start
+# A build that did not finish in one session's device time can start from the regenerated
+# conversations its wait calls brought back (regenerated.jsonl.gz.part-NN and .sha256): put them
+# in .xfer-regen/, carry it, then
+#   bench/smollm2_campaign.sh unpack-regenerated
+#   REGENERATED=/tmp/regenerated.jsonl.gz SIDE=after ... bench/smollm2_campaign.sh start
+# (regeneration off, data.train.path that file: prepare, extract and what follows run as before).
 # (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
@@ -73,11 +79,20 @@ until_exists() { # PATH: wait until it exists (true) or the build has ended with
 launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
   rm -rf "$C" && mkdir -p "$C"
   echo "serve_check: {enabled: false}" >"$C/noserve.yaml" # the GPU image has no vLLM
+  if [ -n "${REGENERATED:-}" ]; then # an earlier session's regenerated conversations
+    printf 'regenerate: {enabled: false}\ndata: {train: {path: %s}}\n' "$REGENERATED" \
+      >"$C/from-regenerated.yaml"
+    export CONFIGS="$CONFIGS $C/from-regenerated.yaml"
+  fi
   setsid nohup bash "$0" "$@" >"$C/campaign.log" 2>&1 </dev/null &
   echo "started; outputs in $C"
 }
 
 case "${1:-}" in
+unpack-regenerated) # what wait brought back, carried in .xfer-regen/: one checked file
+  cat .xfer-regen/regenerated.jsonl.gz.part-* >/tmp/regenerated.jsonl.gz
+  (cd /tmp && sha256sum -c "$OLDPWD/.xfer-regen/regenerated.sha256")
+  ;;
 start)
   launch run
   ;;
@@ -152,7 +167,7 @@ wait)
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | wait [SECONDS]" >&2
+  echo "usage: $0 start | start-parity SEED | wait [SECONDS] | unpack-regenerated" >&2
   exit 2
   ;;
 esac
