@@ -156,6 +156,7 @@ def regenerate_chunk(
     ask(range(len(conversations)))
     answered = calls = 0
     while prompts:
+        t0 = time.perf_counter()
         ready = sorted(prompts)
         if wave is not None:  # ties: the shorter prompts (less padding), then chunk order
             ready = sorted(ready, key=lambda i: (-users_left(i), len(prompts[i])))[:wave]
@@ -166,7 +167,10 @@ def regenerate_chunk(
         answered, calls = answered + len(ready), calls + 1
         if progress is not None:
             at_most = len(prompts) + sum(users_left(i) for i in range(len(conversations)))
-            progress(f"call {calls}: {answered} turns answered, at most {at_most} to go")
+            progress(
+                f"call {calls}: {answered} turns answered, at most {at_most} to go "
+                f"({len(ready)} in {time.perf_counter() - t0:.1f} s)"
+            )
     return [
         {"id": c["id"], "messages": h}
         for c, h in zip(conversations, histories, strict=True)
