@@ -17,6 +17,19 @@ def draft(pipeline):
     return checkpoint.load_draft(pipeline["checkpoint"], pipeline["record"], "sdpa", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def two_layer_draft(pipeline):
+    """A draft of two decoder layers (train.num_layers: 2; vLLM serves such drafts), randomly
+    initialised as speculators builds it: the second layer reads the first one's output."""
+    from eagle3lib.config import TrainConfig
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(num_layers=2, draft_vocab_size=256)
+    model = train.build_draft(cfg, pipeline["record"], AUX, pipeline["vocab_map"], "sdpa")
+    assert len(model.layers) == 2
+    return model.float().eval()
+
+
 def test_acceptance_stats_follow_vllm_definitions():
     stats = evaluate.acceptance_stats([3, 0, 1, 2], 3)
     assert stats["acceptance_length"] == pytest.approx(1 + 6 / 4)
@@ -76,16 +89,19 @@ def sample_states(pipeline):
     return sample["hidden_states"][:, :-1].flatten(1).float(), sample["input_ids"].long()
 
 
+@pytest.mark.parametrize("layers", ["draft", "two_layer_draft"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_incremental_proposals_equal_speculators_forward(pipeline, draft, window):
+def test_incremental_proposals_equal_speculators_forward(pipeline, request, layers, window):
     """The incremental drafter (its own KV cache across calls, one pass per proposal) computes
-    the logits of speculators' forward, also with a sliding window shorter than the context."""
+    the logits of speculators' forward, also with a sliding window shorter than the context
+    (on the first layer only, for two layers) and with a draft of two layers."""
     import copy
 
+    draft = request.getfixturevalue(layers)
     if window is not None:
         draft = copy.deepcopy(draft)
         draft.sliding_window, draft.sliding_window_indices = window, [0]
-        draft.uses_sliding_window_attn, draft.uses_full_attn = True, False
+        draft.uses_sliding_window_attn, draft.uses_full_attn = True, len(draft.layers) > 1
     aux, ids = sample_states(pipeline)
     drafter = Drafter(draft)
     seen = set()

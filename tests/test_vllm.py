@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tiny
 import torch
-from conftest import run_snakemake
+from conftest import job_counts, run_snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +182,33 @@ def test_vllm_shards_equal_hf_shards(served, tmp_path):
         # at most one e4m3 step apart (32 x scale near 448), plus the scales' difference
         bound = 32 * sx + 448 * (sx - sy).abs()
         assert ((x - y).abs() <= bound.unsqueeze(-1) + 1e-6).all()
+
+
+def test_a_two_layer_draft_is_served_and_agrees_with_the_offline_evaluator(served):
+    """train.num_layers: 2 (vLLM's EAGLE-3 model takes the embeddings in the first layer only,
+    like speculators' draft): only training and what follows rerun, vLLM loads the checkpoint,
+    and its acceptance agrees with the offline evaluator's. Runs last: it retrains the run."""
+    import yaml
+
+    from eagle3lib.report import VLLM_MAX_POSITION_DIFFERENCE, VLLM_MAX_RELATIVE_DIFFERENCE
+
+    root, results, _ = served
+    config = yaml.safe_load((root / "config.yaml").read_text())
+    config["train"]["num_layers"] = 2
+    (root / "two-layers.yaml").write_text(yaml.safe_dump(config))
+    out = run_snakemake(root, root / "two-layers.yaml")
+    counts = job_counts(out.stdout + out.stderr)
+    assert {"train", "evaluate", "serve_check"} <= set(counts), counts
+    assert not {"extract", "prepare", "regenerate"} & set(counts), counts
+    layer_config = json.loads((results / "checkpoint" / "config.json").read_text())
+    assert layer_config["transformer_layer_config"]["num_hidden_layers"] == 2
+    summary = json.loads((results / "reports" / "summary.json").read_text())
+    v = json.loads((results / "reports" / "vllm_acceptance.json").read_text())
+    assert summary["valid"] is True and v["text_matches_verifier"] is True
+    assert 1.0 < v["acceptance_length"] <= 4.0 and v["drafts"] > 0
+    assert abs(summary["vllm"]["offline_vs_vllm_relative_difference"]) <= (
+        VLLM_MAX_RELATIVE_DIFFERENCE / 3
+    )
+    assert summary["vllm"]["offline_vs_vllm_max_position_difference"] <= (
+        VLLM_MAX_POSITION_DIFFERENCE / 3
+    )
