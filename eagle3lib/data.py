@@ -350,7 +350,6 @@ DROP_REMEDIES = {
     ),
     "no_assistant_turn": "give every conversation an assistant reply after a user turn",
     "eval_prompt_overlap": "the training data repeats the eval prompts: use other data.eval",
-    "repeated_prompt": "every conversation repeats an earlier one: set data.train.dedupe: false",
 }
 
 
