@@ -15,6 +15,10 @@ evaluated on (BENCHMARKS.md, "Where acceptance is lost"): three checks that need
 
     python bench/greedy_text.py --verifier results/smollm2-gpu/verifier/verifier.json \
         --conversations 17000 --regenerated regenerated.jsonl.gz --prompts 80 --json g.json
+
+With ``--acceptance`` (a run's reports/acceptance.json, whose headline set is MT-bench): that
+run's acceptance length pooled over the MT-bench answers with at least 30 % repeated 4-grams
+and over the others, from the greedy answers decoded here or read back with ``--greedy-json``.
 """
 
 from __future__ import annotations
@@ -95,6 +99,32 @@ def regenerated(path: Path, tokenizer, limit: int, val_fraction: float) -> dict:
     }
 
 
+def acceptance_by_repetition(answers: list[list[int]], acceptance: dict) -> dict:
+    """The run's headline acceptance pooled over verifier steps, split by the repetition of
+    the greedy answers decoded here (the same prompts, in the same order)."""
+    rows = acceptance["per_prompt"]
+    if acceptance["eval_set"] != "mtbench" or len(rows) != len(answers):
+        raise SystemExit("--acceptance: the run's headline set must be these MT-bench prompts")
+
+    def pooled(group):
+        steps = sum(r["steps"] for r in group)
+        accepted = sum((r["acceptance_length"] - 1) * r["steps"] for r in group)
+        return {"prompts": len(group), "acceptance_length": round(1 + accepted / steps, 3)}
+
+    shares = [repeated_4gram_share(a) for a in answers]
+    return {
+        "k": acceptance["k"],
+        "same_new_tokens": sum(
+            len(a) == r["new_tokens"] for a, r in zip(answers, rows, strict=True)
+        ),
+        "at_least_0.3_repeated": pooled([r for r, x in zip(rows, shares, strict=True) if x >= 0.3]),
+        "others": pooled([r for r, x in zip(rows, shares, strict=True) if x < 0.3]),
+        "correlation": round(
+            statistics.correlation(shares, [r["acceptance_length"] for r in rows]), 2
+        ),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -108,6 +138,8 @@ def main() -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--acceptance", type=Path, help="a run's reports/acceptance.json")
+    p.add_argument("--greedy-json", type=Path, help="this script's --json of an earlier call")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if a.threads:
@@ -120,7 +152,9 @@ def main() -> None:
     if a.regenerated:
         out["regenerated"] = regenerated(a.regenerated, tokenizer, a.max_new_tokens, a.val_fraction)
         print(json.dumps(out["regenerated"]), flush=True)
-    if a.prompts:
+    if a.greedy_json:
+        out["greedy"] = json.loads(a.greedy_json.read_text())["greedy"]
+    elif a.prompts:
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         model = verifier.load_model(record, torch.float32).to(device)
         generate = hf_generate(
@@ -144,6 +178,11 @@ def main() -> None:
             figures["seconds"] = round(time.perf_counter() - t, 1)
             print(name, json.dumps(figures), flush=True)
             out["greedy"][name] = {**figures, "per_prompt": new}
+    if a.acceptance:
+        mtbench = out["greedy"]["mtbench"]["per_prompt"]
+        acceptance = json.loads(a.acceptance.read_text())
+        out["acceptance_by_repetition"] = acceptance_by_repetition(mtbench, acceptance)
+        print(json.dumps(out["acceptance_by_repetition"]), flush=True)
     if a.json:
         a.json.write_text(json.dumps(out))
 
