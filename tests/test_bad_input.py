@@ -641,7 +641,7 @@ CASES = [
          "config key evaluate.dtype: bfloat16 on this CPU", "use auto or float32"),
     # -- the config file (checked when the workflow starts) --
     Case("config-unknown-nested-key", _nested_typo, "config key data.train.pathh: unknown key",
-         "allowed here: allow_truncated_json, max_samples, path"),
+         "allowed here: allow_truncated_json, dedupe, max_samples, path"),
     Case("config-wrong-type-boolean", _set("verifier", "trust_remote_code", "yes"),
          "config key verifier.trust_remote_code: 'yes' is not of type 'boolean'",
          "give a value of that type"),

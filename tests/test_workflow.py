@@ -204,20 +204,6 @@ def test_changing_gpu_and_node_counts_reruns_nothing(ws, monkeypatch):
     assert "Nothing to be done" in out and job_counts(out) == {}, out
 
 
-def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
-    """data.train.dedupe: false is how every run before the key was made (the rules' parameters
-    leave it out); true changes the prepared samples, so prepare and what follows rerun."""
-    train = {"path": str(ws.dir / "train.jsonl")}
-    ws.write(data={"train": {**train, "dedupe": False}})
-    off = ws.run("-n")
-    ws.write(data={"train": {**train, "dedupe": True}})
-    on = ws.run("-n")
-    ws.write(data={"train": train})
-    assert "Nothing to be done" in off and job_counts(off) == {}, off
-    assert {"prepare", "extract", "train"} <= set(job_counts(on)), on
-    assert "verifier" not in job_counts(on), on
-
-
 ARTIFACTS = (
     "hidden_states/shard-0.safetensors",
     "hidden_states/shard-1.safetensors",
