@@ -244,7 +244,7 @@ def extract_samples(
                     states, _ = forward_batch(decoder, capture, [samples[i] for i in batch], device)
                     writer.put_batch(batch, states, [lengths[i] for i in batch])
                 writer.device_done()
-            turn_span.append(time.time())  # the turn, if any, is given back here
+                turn_span.append(time.time())  # stamped before the turn, if any, is given back
             sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
         except BaseException:
             writer.abort()
