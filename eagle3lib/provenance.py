@@ -187,3 +187,36 @@ def stale_reason(path: str | os.PathLike, current: str) -> str | None:
         if old_files.get(key) != new_files.get(key)
     ]
     return "made with other settings (" + "; ".join(found or ["another stamp"]) + ")"
+
+
+class PlanningEdits:
+    """Files that planning changes so that Snakemake reruns a job (a provenance record dated
+    1970, a manifest or verifier record removed), with what puts them back: a process that runs
+    no job (``snakemake -n``, ``--lint``, ``--report``) must leave the results as it found them.
+    Every planning pass decides staleness afresh from the stamps, so undoing loses nothing."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Path, bytes | None, int, int]] = []
+
+    def make_old(self, path: str | os.PathLike) -> None:
+        path = Path(path).absolute()  # undone at exit, where the working directory may differ
+        st = path.stat()
+        self._undo.append((path, None, st.st_atime_ns, st.st_mtime_ns))
+        os.utime(path, (1, 1))  # 0 would read as "no time" to Snakemake
+
+    def remove(self, path: str | os.PathLike) -> None:
+        path = Path(path).absolute()
+        st = path.stat()
+        self._undo.append((path, path.read_bytes(), st.st_atime_ns, st.st_mtime_ns))
+        path.unlink()
+
+    def undo(self) -> None:
+        """Put back every file as it was, the latest edit first."""
+        for path, content, atime, mtime in reversed(self._undo):
+            if content is not None and not path.exists():
+                tmp = path.with_name(f".{path.name}.undo-tmp")
+                tmp.write_bytes(content)
+                os.replace(tmp, path)
+            if path.exists():
+                os.utime(path, ns=(atime, mtime))
+        self._undo.clear()

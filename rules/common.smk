@@ -1,3 +1,4 @@
+import atexit
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
 from eagle3lib.gpu import GPU_SHARING_ENV, sharing_setting  # noqa: E402
 from eagle3lib.multinode import nodes_refusal, sharing_refusal  # noqa: E402
-from eagle3lib.provenance import stale_reason  # noqa: E402
+from eagle3lib.provenance import PlanningEdits, stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
 from eagle3lib.shards import disk_estimate  # noqa: E402
 from eagle3lib.verifier_files import (
@@ -195,6 +196,7 @@ def provenance_path(job):
 
 
 PROVENANCE = {job.name: provenance_path(job) for job in JOBS if job.provenance}
+PLANNING_EDITS = PlanningEdits()  # what planning changed, undone where no job ran
 
 
 def forget_damaged_shards():
@@ -206,7 +208,7 @@ def forget_damaged_shards():
         problem = size_mismatch(shard, manifest)
         if problem:
             print(f"warning: {problem}; rebuilding shard {i}", file=sys.stderr)
-            manifest.unlink()
+            PLANNING_EDITS.remove(manifest)
 
 
 def print_disk_estimate(facts):
@@ -636,10 +638,18 @@ def forget_stale_artifacts():
                 )
                 stale.append(record)
     if PROVENANCE["verifier"] in stale:
-        Path(VERIFIER).unlink(missing_ok=True)
+        if Path(VERIFIER).exists():
+            PLANNING_EDITS.remove(VERIFIER)
         stale = [r for paths in records.values() for r in paths if Path(r).exists()]
     for record in stale:
-        os.utime(record, (1, 1))  # 0 would read as "no time" to Snakemake
+        PLANNING_EDITS.make_old(record)
+
+
+def undo_planning_edits():
+    """At exit of a process that ran no job (a dry run, --lint, --report, a failed check):
+    the files forget_damaged_shards and forget_stale_artifacts changed are put back."""
+    if workflow.executor_plugin is None or workflow.dryrun:
+        PLANNING_EDITS.undo()
 
 
 # ---- checks before the first job: mistakes knowable now never cost a run ---------------------
@@ -687,6 +697,7 @@ def check_before_jobs():
 if workflow.is_main_process:
     for problem in preflight.output_path_problems(Path(results(""))):
         fail(problem)
+    atexit.register(undo_planning_edits)
     forget_damaged_shards()
     forget_stale_artifacts()
     print_disk_estimate(check_before_jobs())

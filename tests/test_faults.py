@@ -26,6 +26,7 @@ from conftest import (
     ROOT,
     alive,
     executed_jobs,
+    job_counts,
     regenerate_command,
     run_snakemake,
     train_command,
@@ -293,6 +294,11 @@ def test_truncated_shard_is_rebuilt_not_trained_on(extraction):
     shard = results / "shard-1.safetensors"
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
+    manifest = results / "shard-1.json"
+    kept = manifest.read_bytes(), manifest.stat().st_mtime_ns
+    plan = run_snakemake(root, config, *targets, "--dry-run")
+    assert "rebuilding shard 1" in plan.stderr and "extract" in job_counts(plan.stdout)
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == kept  # a dry run changes nothing
     proc = run_snakemake(root, config, *targets)
     out = proc.stdout + proc.stderr
     assert "shard-1.safetensors" in out and "rebuilding shard 1" in out

@@ -69,3 +69,30 @@ def test_a_converted_verifiers_record_follows_its_run_folder(tmp_path, verifier_
     )
     local = verifier.portable(verifier_record, run / "verifier.json")  # a user's folder: as is
     assert local["load_path"] == verifier_record["load_path"]
+
+
+def test_planning_edits_are_undone_to_the_byte_and_the_nanosecond(tmp_path):
+    """What planning changed to make Snakemake rerun jobs (a record dated 1970, a file removed,
+    the same file twice) is put back exactly (contents and modification times; reading a file
+    moves its access time): a dry run leaves the results as it found them."""
+    import os
+
+    from eagle3lib.provenance import PlanningEdits
+
+    record, manifest = tmp_path / "provenance-train.json", tmp_path / "shard-1.json"
+    record.write_text("{}")
+    manifest.write_bytes(b'{"bytes": 12}')
+    for i, p in enumerate((record, manifest)):
+        os.utime(p, ns=(1_700_000_000_123_456_789 + i, 1_700_000_001_987_654_321 + i))
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (record, manifest)}
+    edits = PlanningEdits()
+    edits.make_old(record)
+    edits.make_old(record)
+    edits.remove(manifest)
+    assert record.stat().st_mtime == 1 and not manifest.exists()
+    edits.undo()
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (record, manifest)}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["provenance-train.json", "shard-1.json"]
+    edits.undo()  # nothing left to undo
+    assert record.stat().st_mtime_ns == before[record][1]

@@ -204,6 +204,25 @@ def test_changing_gpu_and_node_counts_reruns_nothing(ws, monkeypatch):
     assert "Nothing to be done" in out and job_counts(out) == {}, out
 
 
+def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
+    """data.train.dedupe: false is how every run before the key was made (the rules' parameters
+    leave it out); true changes the prepared samples, so prepare and what follows rerun. The
+    dry runs leave the results as they were (the tests after this one copy them)."""
+    train = {"path": str(ws.dir / "train.jsonl")}
+    record = ws.results / "prepared" / "provenance-prepare.json"
+    dated = record.stat().st_mtime_ns
+    ws.write(data={"train": {**train, "dedupe": False}})
+    off = ws.run("-n")
+    ws.write(data={"train": {**train, "dedupe": True}})
+    on = ws.run("-n")
+    ws.write(data={"train": train})
+    assert "Nothing to be done" in off and job_counts(off) == {}, off
+    assert {"prepare", "extract", "train"} <= set(job_counts(on)), on
+    assert "verifier" not in job_counts(on), on
+    assert record.stat().st_mtime_ns == dated
+    assert "Nothing to be done" in ws.run("-n")
+
+
 ARTIFACTS = (
     "hidden_states/shard-0.safetensors",
     "hidden_states/shard-1.safetensors",
@@ -269,16 +288,18 @@ def test_a_moved_run_rebuilds_what_a_changed_config_makes_stale(ws, tmp_path):
     epochs = config["train"]["epochs"]
     config["train"]["epochs"] = epochs + 1
     (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    results = copy / "results" / "t"
+    record = results / "checkpoint" / "provenance-train.json"
+    dated = record.stat().st_mtime_ns
     plan = run_snakemake(copy, copy / "config.yaml", "--dry-run")
     said = plan.stdout + plan.stderr
     assert f"(train.epochs: {epochs} -> {epochs + 1}); rebuilding train" in said, said
+    assert record.stat().st_mtime_ns == dated  # the dry run put the record's time back
     assert set(job_counts(said)) == {
         "train", "check_checkpoint", "evaluate", "report", "validate", "all"
     }  # fmt: skip
-    results = copy / "results" / "t"
     run_snakemake(copy, copy / "config.yaml", "results/t/checkpoint/model.safetensors")
-    record = json.loads((results / "checkpoint" / "provenance-train.json").read_text())
-    assert record["config"]["epochs"] == epochs + 1
+    assert json.loads(record.read_text())["config"]["epochs"] == epochs + 1
     weights = "checkpoint/model.safetensors"
     assert (results / weights).read_bytes() != (ws.results / weights).read_bytes()
     plan = run_snakemake(copy, copy / "config.yaml", "--dry-run")  # trained: what follows
