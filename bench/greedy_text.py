@@ -16,6 +16,10 @@ evaluated on (BENCHMARKS.md, "Where acceptance is lost"): three checks that need
     python bench/greedy_text.py --verifier results/smollm2-gpu/verifier/verifier.json \
         --conversations 17000 --regenerated regenerated.jsonl.gz --prompts 80 --json g.json
 
+With ``--synthetic N``: N user prompts sampled from the verifier as regeneration samples them
+(``regenerate.synthetic_prompts``, seed 0), how many are kept, their length, and the verifier's
+greedy answers to the first ``--prompts`` of them as a third set.
+
 With ``--acceptance`` (a run's reports/acceptance.json, whose headline set is MT-bench): that
 run's acceptance length pooled over the MT-bench answers with at least 30 % repeated 4-grams
 and over the others, from the greedy answers decoded here or read back with ``--greedy-json``.
@@ -37,6 +41,7 @@ import torch  # noqa: E402
 from acceptance_gap import MTBENCH, SHAREGPT, repeated_4gram_share  # noqa: E402
 
 from eagle3lib import data, verifier  # noqa: E402
+from eagle3lib import regenerate as rg  # noqa: E402
 from eagle3lib.config import RegenerateConfig, resolve_package_path  # noqa: E402
 from eagle3lib.conversations import (  # noqa: E402
     InvalidRecord,
@@ -125,6 +130,39 @@ def acceptance_by_repetition(answers: list[list[int]], acceptance: dict) -> dict
     }
 
 
+def synthetic_figures(model, tokenizer, a, sets) -> dict:
+    """``a.synthetic`` prompts sampled as regeneration does, what is kept of them, and the
+    prompt lengths (chat template included) of the kept ones beside the other sets'."""
+    cfg = RegenerateConfig(
+        batch_size=a.batch_size, synthetic_prompts=a.synthetic, synthetic_max_tokens=128
+    )
+    said = []
+    prefix = rg.user_turn_prefix(tokenizer)
+    t = time.perf_counter()
+    kept = rg.synthetic_conversations(
+        hf_generate(model, tokenizer, rg.sampling(cfg)),
+        prefix,
+        cfg,
+        lambda ids: rg.answer_text(tokenizer, ids),
+        log=said.append,
+    )
+    texts = [c["turns"][0]["content"] for c in kept]
+
+    def mean_tokens(xs):
+        return round(statistics.mean(len(data.prompt_token_ids(tokenizer, x)) for x in xs), 1)
+
+    figures = {
+        "sampled": a.synthetic,
+        "kept": len(kept),
+        "log": said[0],
+        "seconds": round(time.perf_counter() - t, 1),
+        "mean_prompt_tokens": {n: mean_tokens(x) for n, x in [*sets, ("synthetic", texts)]},
+        "examples": texts[:8],
+    }
+    print(json.dumps(figures, ensure_ascii=False), flush=True)
+    return {**figures, "texts": texts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -138,6 +176,7 @@ def main() -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--synthetic", type=int, default=0, help="synthetic prompts to sample")
     p.add_argument("--acceptance", type=Path, help="a run's reports/acceptance.json")
     p.add_argument("--greedy-json", type=Path, help="this script's --json of an earlier call")
     p.add_argument("--json", type=Path)
@@ -170,8 +209,12 @@ def main() -> None:
                 heldout.append(text)
             if len(heldout) == a.prompts:
                 break
+        sets = [("mtbench", mtbench), ("sharegpt_heldout", heldout)]
+        if a.synthetic:
+            out["synthetic"] = synthetic_figures(model, tokenizer, a, sets)
+            sets.append(("synthetic", out["synthetic"].pop("texts")[: a.prompts]))
         out["greedy"] = {}
-        for name, texts in (("mtbench", mtbench), ("sharegpt_heldout", heldout)):
+        for name, texts in sets:
             t = time.perf_counter()
             new = generate([data.prompt_token_ids(tokenizer, x) for x in texts])
             figures = text_figures(new, a.max_new_tokens)

@@ -48,6 +48,11 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #   bench/smollm2_campaign.sh unpack-regenerated
 #   REGENERATED=/tmp/regenerated.jsonl.gz SIDE=after ... bench/smollm2_campaign.sh start
 # (regeneration off, data.train.path that file: prepare, extract and what follows run as before).
+# With synthetic prompts (regenerate.synthetic_prompts) added to those conversations: a build of
+# its own samples and answers N prompts (regeneration of one ShareGPT conversation plus them),
+# they are spread evenly among the earlier conversations, then the build runs as above:
+#   REGENERATED=/tmp/regenerated.jsonl.gz SIDE=after RUN_NAME=... CONFIGS="..." \
+#     bench/smollm2_campaign.sh start-synthetic N
 # (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
@@ -69,6 +74,15 @@ draft_check() { # the draft on MT-bench and on held-out ShareGPT prompts (accept
     --method "$METHOD" --k 3 5 --json "$C/draft.json"
 }
 
+bring_back() { # FILE NAME: FILE once, gzip in parts that a call can bring back, and its sha256
+  if [ -e "$1" ] && [ ! -e "$C/$2.sha256" ]; then
+    gzip -9 -n -c "$1" >"$C/$2.jsonl.gz"
+    split -b 15M -d -a 2 "$C/$2.jsonl.gz" "$OUT/$2.jsonl.gz.part-"
+    (cd "$C" && sha256sum "$2.jsonl.gz" >"$2.sha256") && cp "$C/$2.sha256" "$OUT/"
+    ls -l "$OUT/$2".*
+  fi
+}
+
 until_exists() { # PATH: wait until it exists (true) or the build has ended without it (false)
   while [ ! -e "$1" ]; do
     kill -0 "$SM" 2>/dev/null || return 1
@@ -79,8 +93,11 @@ until_exists() { # PATH: wait until it exists (true) or the build has ended with
 launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
   rm -rf "$C" && mkdir -p "$C"
   echo "serve_check: {enabled: false}" >"$C/noserve.yaml" # the GPU image has no vLLM
+  export BASE_CONFIGS="$CONFIGS"
   if [ -n "${REGENERATED:-}" ]; then # an earlier session's regenerated conversations
-    printf 'regenerate: {enabled: false}\ndata: {train: {path: %s}}\n' "$REGENERATED" \
+    local train=$REGENERATED
+    [ "$1" = run-synthetic ] && train=$C/combined.jsonl.gz # with the synthetic ones merged in
+    printf 'regenerate: {enabled: false}\ndata: {train: {path: %s}}\n' "$train" \
       >"$C/from-regenerated.yaml"
     export CONFIGS="$CONFIGS $C/from-regenerated.yaml"
   fi
@@ -98,6 +115,46 @@ start)
   ;;
 start-parity)
   launch run-parity "${2:?seed}"
+  ;;
+start-synthetic)
+  test -n "${REGENERATED:-}" || {
+    echo "start-synthetic needs REGENERATED (an earlier session's conversations)" >&2
+    exit 2
+  }
+  launch run-synthetic "${2:?number of synthetic prompts}"
+  ;;
+run-synthetic)
+  # 1. the synthetic prompts (regenerate.synthetic_prompts), answered: a build of their own up
+  #    to regenerate, whose one ShareGPT conversation the merge leaves out
+  P=${RUN_NAME:-smollm2-gpu}-prompts
+  printf 'run: %s\ndata: {train: {max_samples: 1}}\nregenerate: {enabled: true, synthetic_prompts: %s}\n' \
+    "$P" "$2" >"$C/prompts.yaml"
+  echo "$(date +%T) prompts: start" >>"$C/status"
+  # shellcheck disable=SC2086
+  if ! python3 -m snakemake "results/$P/regenerated/conversations.jsonl" --configfile $BASE_CONFIGS \
+    "$C/noserve.yaml" "$C/prompts.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
+    >"$C/snakemake-prompts.log" 2>&1; then
+    echo "$(date +%T) prompts: FAILED" >>"$C/status"
+    touch "$C/done"
+    exit 1
+  fi
+  cp "results/$P/regenerated/regenerate.json" "$C/prompts-regenerate.json"
+  # 2. spread among the earlier conversations (eagle3lib.regenerate.interleave, as the job does)
+  python3 - "$REGENERATED" "results/$P/regenerated/conversations.jsonl" "$C/combined.jsonl.gz" \
+    >>"$C/status" <<'PY'
+import gzip, json, sys
+from eagle3lib.regenerate import interleave
+def read(path):
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+base = read(sys.argv[1])
+synthetic = [r for r in read(sys.argv[2]) if str(r["id"]).startswith("synthetic-")]
+with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
+    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in interleave(base, synthetic))
+print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones")
+PY
+  # 3. the build from the merged conversations, as start's
+  exec bash "$0" run
   ;;
 run-parity)
   echo "train: {seed: $2}" >"$C/seed.yaml"
@@ -151,23 +208,20 @@ wait)
     test -e "$R/$f" && small+=("$R/$f")
   done
   tar -czf "${OUT:?}/campaign.tgz" --exclude "*.safetensors" --exclude "bench-train/*/*" \
+    --exclude "*.jsonl.gz" \
     "$C" "${small[@]}" 2>/dev/null || true
   ls -l "$OUT/campaign.tgz"
   # the regenerated conversations, once (gzip, in parts a call can bring back): a build that
   # does not finish in the session's device time can start from them next time, as
-  # data.train.path with regeneration off
-  if [ -e "$R/regenerated/conversations.jsonl" ] && [ ! -e "$C/regenerated.sha256" ]; then
-    gzip -9 -n -c "$R/regenerated/conversations.jsonl" >"$C/regenerated.jsonl.gz"
-    split -b 15M -d -a 2 "$C/regenerated.jsonl.gz" "$OUT/regenerated.jsonl.gz.part-"
-    (cd "$C" && sha256sum regenerated.jsonl.gz >regenerated.sha256) && cp "$C/regenerated.sha256" "$OUT/"
-    ls -l "$OUT"/regenerated.*
-  fi
+  # data.train.path with regeneration off; likewise start-synthetic's answered prompts
+  bring_back "$R/regenerated/conversations.jsonl" regenerated
+  bring_back "results/${RUN_NAME:-smollm2-gpu}-prompts/regenerated/conversations.jsonl" synthetic
   cat "$C/status"
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | wait [SECONDS] | unpack-regenerated" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | wait [SECONDS] | unpack-regenerated" >&2
   exit 2
   ;;
 esac

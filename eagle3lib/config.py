@@ -94,6 +94,8 @@ class RegenerateConfig:
     max_turns: int | None = None
     kv_cache: str = "static"
     compile: bool = False
+    synthetic_prompts: int = 0
+    synthetic_max_tokens: int = 128
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -282,15 +282,25 @@ def _train_device_problems(config: dict[str, Any]) -> list[str]:
 
 
 def _regenerate_problems(config: dict[str, Any]) -> list[str]:
-    """regenerate.workers against regenerate.gpus (when regeneration runs)."""
+    """regenerate.workers against regenerate.gpus and synthetic prompts (when regeneration
+    runs)."""
     regenerate = config["regenerate"]
-    if not regenerate["enabled"] or not regenerate["gpus"] % regenerate["workers"]:
+    if not regenerate["enabled"]:
         return []
-    return [
-        f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
-        f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
-        "regenerate.workers"
-    ]
+    problems = []
+    if regenerate["gpus"] % regenerate["workers"]:
+        problems.append(
+            f"config key regenerate.workers: {regenerate['workers']} workers cannot share "
+            f"{regenerate['gpus']} GPU(s) evenly; make regenerate.gpus a multiple of "
+            "regenerate.workers"
+        )
+    if regenerate["synthetic_prompts"] and regenerate["workers"] > 1:
+        problems.append(
+            f"config key regenerate.synthetic_prompts: prompts are sampled once, by one process, "
+            f"not by {regenerate['workers']} regenerate.workers; set regenerate.workers: 1 "
+            "(or synthetic_prompts: 0)"
+        )
+    return problems
 
 
 def _extract_sharing_problems(config: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ finish, so an interrupted job resumes with the missing chunks only.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import sys
 import time
@@ -251,6 +252,118 @@ def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
     return generate
 
 
+# ---- synthetic prompts (regenerate.synthetic_prompts): Magpie, Xu et al. 2024 ----------------
+
+USER_TEXT = "\x00user text\x00"  # where a user turn's text goes; no template writes it
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template rendered up to where the text of a first user turn begins (with the
+    system turn the template adds by default, if any): what a synthetic prompt continues."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": USER_TEXT}], tokenize=False)
+    if USER_TEXT not in text:
+        raise UserError(
+            "config key regenerate.synthetic_prompts: the verifier's chat template does not "
+            "render a user turn's text as given; set synthetic_prompts: 0"
+        )
+    return tokenizer(text[: text.index(USER_TEXT)], add_special_tokens=False)["input_ids"]
+
+
+def sampling(cfg: RegenerateConfig) -> RegenerateConfig:
+    """How synthetic prompts are sampled: temperature 1, no nucleus cut, at most
+    synthetic_max_tokens tokens."""
+    return dataclasses.replace(
+        cfg, temperature=1.0, top_p=1.0, max_new_tokens=cfg.synthetic_max_tokens
+    )
+
+
+def vllm_sample(server, cfg: RegenerateConfig) -> Generate:
+    """Synthetic prompts from a vLLM server: request i gets seed ``cfg.seed + i``, so that the
+    same prefix gives different samples, reproducibly."""
+
+    def one(item: tuple[int, list[int]]) -> list[int]:
+        i, prompt = item
+        return server.complete(
+            prompt, cfg.synthetic_max_tokens, temperature=1.0, top_p=1.0, seed=cfg.seed + i
+        )
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+            return list(pool.map(one, enumerate(prompts)))
+
+    return generate
+
+
+def synthetic_conversations(
+    sample: Generate, prefix: list[int], cfg: RegenerateConfig, decode, log=print
+) -> list[dict[str, Any]]:
+    """``cfg.synthetic_prompts`` user prompts sampled after ``prefix``, as one-turn
+    conversations ``synthetic-<i>``; dropped: a prompt still running after
+    ``cfg.synthetic_max_tokens`` tokens, an empty one, one repeating an earlier kept one
+    (conversations.first_prompt_key)."""
+    t0 = time.perf_counter()
+    out, seen = [], set()
+    unfinished = empty = repeats = 0
+    for i, ids in enumerate(sample([list(prefix)] * cfg.synthetic_prompts)):
+        text = decode(ids)
+        turns = [{"role": "user", "content": text}]
+        if len(ids) >= cfg.synthetic_max_tokens:
+            unfinished += 1
+        elif not text:
+            empty += 1
+        elif first_prompt_key(turns) in seen:
+            repeats += 1
+        else:
+            seen.add(first_prompt_key(turns))
+            out.append({"id": f"synthetic-{i}", "turns": turns})
+    log(
+        f"regenerate: {len(out)} of {cfg.synthetic_prompts} synthetic prompts kept "
+        f"in {time.perf_counter() - t0:.1f} s ({unfinished} still running after "
+        f"{cfg.synthetic_max_tokens} tokens, {empty} empty, {repeats} repeats)"
+    )
+    return out
+
+
+def synthesizer(make_sampler, tokenizer, cfg: RegenerateConfig, log=print):
+    """The synthetic-prompt step for ``regenerate`` (None when none are asked for);
+    ``make_sampler(prefix_length)`` builds the sampling Generate when the step runs."""
+    if not cfg.synthetic_prompts:
+        return None
+    prefix = user_turn_prefix(tokenizer)  # a template without user text fails before any work
+
+    def synthesize() -> list[dict[str, Any]]:
+        return synthetic_conversations(
+            make_sampler(len(prefix)), prefix, cfg, lambda ids: answer_text(tokenizer, ids), log
+        )
+
+    return synthesize
+
+
+def interleave(conversations: list, synthetic: list) -> list:
+    """``synthetic`` spread evenly among ``conversations``, each keeping its order, so that
+    the last samples (which validation holds out) hold both kinds in proportion."""
+    n, m = len(conversations), len(synthetic)
+    keyed = [((2 * i + 1) * m, 0, i) for i in range(n)] + [
+        ((2 * j + 1) * n, 1, j) for j in range(m)
+    ]
+    return [(conversations, synthetic)[kind][i] for _, kind, i in sorted(keyed)]
+
+
+def synthetic_once(work_dir: Path, synthesize, log=print) -> list[dict[str, Any]]:
+    """The synthetic conversations of this job: sampled once and kept in ``work_dir`` (an
+    interrupted job resumes with the same ones, whose chunks may be finished already)."""
+    path = work_dir / "synthetic.jsonl"
+    if path.exists():
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        log(f"regenerate: {len(records)} synthetic prompts of an earlier attempt reused")
+        return records
+    remove_stale_temps(path)
+    records = synthesize()
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return records
+
+
 def wave_size(cfg: RegenerateConfig) -> int | None:
     """Turns per generate call: one HF batch (``batch_size``); a vLLM server batches
     continuously, so it gets every ready turn at once."""
@@ -274,14 +387,21 @@ def regenerate(
     out_path: Path,
     log=print,
     worker: tuple[int, int] | None = None,
+    synthesize: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Regenerate chunk by chunk into ``work_dir`` (resumable), then write ``out_path``.
 
     ``worker=(i, n)``: do chunks i, i + n, ... only and write no ``out_path`` (one of n
     data-parallel workers; a final call without ``worker`` finds every chunk done).
+    ``synthesize``: synthetic one-turn conversations to add (``synthesizer``), interleaved.
     """
     fingerprinted_dir(work_dir, fingerprint)
     t0 = time.perf_counter()
+    synthetic, read = 0, len(conversations)
+    if synthesize is not None:
+        records = synthetic_once(work_dir, synthesize, log)
+        synthetic = len(records)
+        conversations = interleave(conversations, records)
     n_chunks = (len(conversations) + cfg.chunk_size - 1) // cfg.chunk_size
     reused = 0
     for index, part in chunks(conversations, cfg.chunk_size):
@@ -312,7 +432,8 @@ def regenerate(
             fh.write(text)
             written += text.count("\n")
     return {
-        "conversations_in": len(conversations),
+        "conversations_in": read,
+        "synthetic_conversations": synthetic,
         "conversations_out": written,
         "chunks": n_chunks,
         "chunks_reused": reused,

@@ -302,10 +302,13 @@ def compile_if_off(name):
 
 
 def regenerate_section():
-    """The regenerate section as its rule's parameter: GPU and worker counts are resources."""
-    return section(
-        "regenerate", drop=("gpus", "enabled", "workers", *compile_if_off("regenerate"))
-    )
+    """The regenerate section as its rule's parameter: GPU and worker counts are resources;
+    the synthetic-prompt keys only when prompts are sampled (runs made before them stay
+    current)."""
+    synthetic = ("synthetic_prompts", "synthetic_max_tokens")
+    unused = () if config["regenerate"]["synthetic_prompts"] else synthetic
+    drop = ("gpus", "enabled", "workers", *compile_if_off("regenerate"), *unused)
+    return section("regenerate", drop=drop)
 
 
 def extract_section():

@@ -66,9 +66,10 @@ def main() -> None:
     fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
                    "data": data["train"], "max_length": data["max_length"]}  # fmt: skip
     worker = tuple(int(x) for x in a.worker.split("/")) if a.worker else None
-    run = lambda generate: rg.regenerate(  # noqa: E731
+    run = lambda generate, make_sampler=None: rg.regenerate(  # noqa: E731
         conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
         log=rg.log_stderr, worker=worker,
+        synthesize=make_sampler and rg.synthesizer(make_sampler, tokenizer, cfg, rg.log_stderr),
     )  # fmt: skip
     if cfg.backend == "hf" and a.workers > 1 and worker is None:
         stats = with_workers(a, fingerprint, run)
@@ -125,7 +126,7 @@ def with_vllm(a, cfg, engine: dict, record: dict, run) -> dict:
     with serve.VllmServer(
         a.vllm_python, record["load_path"], args, a.server_log, env, engine["startup_timeout"]
     ) as server:
-        return run(rg.vllm_generate(server, cfg))
+        return run(rg.vllm_generate(server, cfg), lambda _width: rg.vllm_sample(server, cfg))
 
 
 def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
@@ -141,7 +142,11 @@ def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model = load_model(record, resolve_dtype("auto", device), device_map=device_map_for_job())
     width = json.loads(a.data)["max_length"]  # a prompt is shorter (longer ones are skipped)
-    return run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width))
+
+    def sampler(prefix_length: int):  # synthetic prompts: every row the same prefix
+        return rg.hf_generate(model, tokenizer, rg.sampling(cfg), prompt_width=prefix_length)
+
+    return run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width), sampler)
 
 
 if __name__ == "__main__":

@@ -354,6 +354,11 @@ CASES = [
          _set(regenerate__enabled=True, regenerate__gpus=3, regenerate__workers=2),
          "config key regenerate.workers: 2 workers cannot share 3 GPU(s) evenly",
          "make regenerate.gpus a multiple of regenerate.workers"),
+    Case("synthetic-prompts-with-regenerate-workers",
+         _set(regenerate__enabled=True, regenerate__gpus=2, regenerate__workers=2,
+              regenerate__synthetic_prompts=100),
+         "config key regenerate.synthetic_prompts: prompts are sampled once, by one process, "
+         "not by 2 regenerate.workers", "set regenerate.workers: 1"),
     Case("extract-jobs-sharing-a-gpu-with-vllm",
          _set(extract__backend="vllm", extract__gpus_per_job=1, extract__jobs_per_gpu=2),
          "config key extract.jobs_per_gpu: 2 jobs per GPU need extract.backend: hf",

@@ -275,6 +275,106 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     assert changed["chunks_reused"] == 0 and sum(calls) == 10  # other settings: nothing reused
 
 
+def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(tmp_path):
+    """regenerate.synthetic_prompts: prompts still running at the token limit, empty ones and
+    repeats are dropped; the rest become one-turn conversations spread evenly among the
+    training ones (the last tenth, validation's, holds both kinds); an interrupted job samples
+    nothing again."""
+    cfg = RegenerateConfig(chunk_size=4, synthetic_prompts=6, synthetic_max_tokens=3)
+    sampled = [[1, 9], [2, 2, 2], [0], [3, 9], [1, 9], [4, 9]]  # ends (9) within 3 tokens
+    texts = {1: "Plan a trip?", 2: "runs on", 0: "", 3: "Why is the sky blue", 4: "plan  A trip?"}
+    calls = []
+
+    def sample(prompts):
+        calls.append(prompts)
+        return sampled
+
+    logs = []
+    prefix = [5, 6]
+
+    def synthesize():
+        return rg.synthetic_conversations(
+            sample, prefix, cfg, lambda ids: texts[ids[0]], logs.append
+        )
+
+    convs = [
+        {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(8)
+    ]
+    args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
+    first = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
+    assert calls == [[prefix] * 6]
+    assert "2 of 6 synthetic prompts kept" in logs[0]
+    assert "(1 still running after 3 tokens, 1 empty, 2 repeats)" in logs[0]
+    ids = [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert ids == ["0", "1", "synthetic-0", "2", "3", "4", "5", "synthetic-3", "6", "7"]
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out[2]["messages"][0] == {"role": "user", "content": "Plan a trip?"}
+    assert out[2]["messages"][1]["role"] == "assistant"
+    assert first["conversations_in"] == 8 and first["synthetic_conversations"] == 2
+    assert first["conversations_out"] == 10
+    before = (tmp_path / "out.jsonl").read_bytes()
+    (tmp_path / "work" / "chunk-00001.jsonl").unlink()  # as if killed during chunk 2
+    logs.clear()
+    again = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
+    assert len(calls) == 1 and "2 synthetic prompts of an earlier attempt reused" in logs[0]
+    assert again["chunks_reused"] == 2 and (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_seed(
+    verifier_model, tokenizer
+):
+    """The prefix is the chat template up to a user turn's text; the hf backend samples
+    (temperature 1) the same tokens for the same regenerate.seed, other tokens in every row
+    and for another seed. (The tiny random verifier seldom ends a turn: which prompts are
+    kept is the test above.)"""
+    prefix = rg.user_turn_prefix(tokenizer)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello there"}], tokenize=True, return_dict=False
+    )
+    assert rendered[: len(prefix)] == prefix and len(rendered) > len(prefix)
+    assert tokenizer.decode(prefix).endswith("user\n")
+
+    def sampled(seed):
+        cfg = RegenerateConfig(batch_size=4, seed=seed, synthetic_max_tokens=12)
+        sample = rg.hf_generate(verifier_model, tokenizer, rg.sampling(cfg), len(prefix))
+        with torch.no_grad():
+            return sample([prefix] * 6)
+
+    a = sampled(0)
+    assert a == sampled(0) and a != sampled(1)
+    assert len({tuple(x) for x in a}) == 6 and all(0 < len(x) <= 12 for x in a)
+    assert rg.synthesizer(None, tokenizer, RegenerateConfig(), log=print) is None
+    with pytest.raises(UserError, match="chat template does not render a user turn"):
+
+        class NoUserText:
+            def apply_chat_template(self, messages, tokenize):
+                return "<|im_start|>user\n(redacted)<|im_end|>\n"
+
+        rg.synthesizer(None, NoUserText(), RegenerateConfig(synthetic_prompts=1))
+
+
+def test_the_regenerate_job_samples_synthetic_prompts_with_its_verifier(verifier_record, tmp_path):
+    """scripts/regenerate.py with regenerate.synthetic_prompts (hf backend, CPU): the job
+    samples them from the verifier it loaded and logs and records what it kept. The tiny
+    random verifier does not end a user turn within 4 tokens, so none is kept here."""
+    from eagle3lib.fileio import write_json
+
+    convs = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(3, seed=4))
+    write_json(tmp_path / "verifier.json", verifier_record)
+    data = {"train": {"path": str(convs)}, "max_length": 256}
+    section = {"max_new_tokens": 4, "synthetic_prompts": 5, "synthetic_max_tokens": 4}
+    cmd = regenerate_command(tmp_path / "verifier.json", convs, data, section, tmp_path)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "0 of 5 synthetic prompts kept" in proc.stderr
+    assert "(5 still running after 4 tokens, 0 empty, 0 repeats)" in proc.stderr
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["synthetic_conversations"] == 0 and info["conversations_out"] == 3
+    assert (tmp_path / "chunks" / "synthetic.jsonl").read_text() == ""
+
+
 def test_workers_split_the_chunks_and_the_leased_gpus(tmp_path):
     assert rg.worker_devices("0,1", 2) == ["0", "1"]
     assert rg.worker_devices("4,5,6,7", 2) == ["4,5", "6,7"]

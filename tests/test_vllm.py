@@ -45,6 +45,8 @@ def served(tmp_path_factory):
             "max_new_tokens": 16,
             "chunk_size": 8,
             "concurrency": 4,
+            "synthetic_prompts": 4,  # sampled through vLLM's API, one seed a request
+            "synthetic_max_tokens": 4,
         },
         vllm={"max_model_len": 1024, "startup_timeout": 600},
     )
@@ -101,6 +103,10 @@ def test_regenerated_with_a_vllm_server(served):
     info = json.loads((results / "regenerated" / "regenerate.json").read_text())
     assert info["settings"]["backend"] == "vllm" and info["settings"]["temperature"] == 0.0
     assert info["conversations_in"] == info["conversations_out"] == 30 and info["chunks"] == 4
+    # the tiny random verifier does not end a user turn within 4 tokens: none is kept
+    log = (results / "logs" / "regenerate.log").read_text()
+    assert "0 of 4 synthetic prompts kept" in log and "(4 still running after 4 tokens" in log
+    assert info["synthetic_conversations"] == 0
     records = [
         json.loads(x)
         for x in (results / "regenerated" / "conversations.jsonl").read_text().splitlines()
