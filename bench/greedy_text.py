@@ -144,6 +144,7 @@ def synthetic_figures(model, tokenizer, a, sets) -> dict:
         prefix,
         cfg,
         lambda ids: rg.answer_text(tokenizer, ids),
+        rg.turn_ends(tokenizer),
         log=said.append,
     )
     texts = [c["turns"][0]["content"] for c in kept]

@@ -97,8 +97,10 @@ launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
   if [ -n "${REGENERATED:-}" ]; then # an earlier session's regenerated conversations
     local train=$REGENERATED
     [ "$1" = run-synthetic ] && train=$C/combined.jsonl.gz # with the synthetic ones merged in
-    printf 'regenerate: {enabled: false}\ndata: {train: {path: %s}}\n' "$train" \
-      >"$C/from-regenerated.yaml"
+    # every conversation of the file: the build that made it chose them (its max_samples
+    # would otherwise cut the synthetic ones and the last of the others)
+    printf 'regenerate: {enabled: false}\ndata: {train: {path: %s, max_samples: null}}\n' \
+      "$train" >"$C/from-regenerated.yaml"
     export CONFIGS="$CONFIGS $C/from-regenerated.yaml"
   fi
   setsid nohup bash "$0" "$@" >"$C/campaign.log" 2>&1 </dev/null &
@@ -124,20 +126,22 @@ start-synthetic)
   launch run-synthetic "${2:?number of synthetic prompts}"
   ;;
 run-synthetic)
+  # a failed step ends the campaign at once (wait returns instead of sitting out its time)
+  trap 'echo "$(date +%T) synthetic prompts: FAILED" >>"$C/status"; touch "$C/done"' ERR
   # 1. the synthetic prompts (regenerate.synthetic_prompts), answered: a build of their own up
-  #    to regenerate, whose one ShareGPT conversation the merge leaves out
+  #    to regenerate, on one GPU, whose one ShareGPT conversation the merge leaves out
   P=${RUN_NAME:-smollm2-gpu}-prompts
-  printf 'run: %s\ndata: {train: {max_samples: 1}}\nregenerate: {enabled: true, synthetic_prompts: %s}\n' \
-    "$P" "$2" >"$C/prompts.yaml"
+  {
+    echo "run: $P"
+    echo "data: {train: {max_samples: 1}}"
+    echo "extract: {shards: 1}" # the checks before a build ask for no more shards than samples
+    echo "regenerate: {enabled: true, synthetic_prompts: $2, workers: 1, gpus: 1}"
+  } >"$C/prompts.yaml"
   echo "$(date +%T) prompts: start" >>"$C/status"
   # shellcheck disable=SC2086
-  if ! python3 -m snakemake "results/$P/regenerated/conversations.jsonl" --configfile $BASE_CONFIGS \
+  python3 -m snakemake "results/$P/regenerated/conversations.jsonl" --configfile $BASE_CONFIGS \
     "$C/noserve.yaml" "$C/prompts.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
-    >"$C/snakemake-prompts.log" 2>&1; then
-    echo "$(date +%T) prompts: FAILED" >>"$C/status"
-    touch "$C/done"
-    exit 1
-  fi
+    >"$C/snakemake-prompts.log" 2>&1
   cp "results/$P/regenerated/regenerate.json" "$C/prompts-regenerate.json"
   # 2. spread among the earlier conversations (eagle3lib.regenerate.interleave, as the job does)
   python3 - "$REGENERATED" "results/$P/regenerated/conversations.jsonl" "$C/combined.jsonl.gz" \
@@ -154,6 +158,7 @@ with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
 print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones")
 PY
   # 3. the build from the merged conversations, as start's
+  trap - ERR
   exec bash "$0" run
   ;;
 run-parity)

@@ -193,30 +193,41 @@ class PlanningEdits:
     """Files that planning changes so that Snakemake reruns a job (a provenance record dated
     1970, a manifest or verifier record removed), with what puts them back: a process that runs
     no job (``snakemake -n``, ``--lint``, ``--report``) must leave the results as it found them.
-    Every planning pass decides staleness afresh from the stamps, so undoing loses nothing."""
+    Every planning pass decides staleness afresh from the stamps, so undoing loses nothing. An
+    edit is undone only while it is still what planning left: a record rewritten since (a real
+    run beside a dry run) keeps its new time, and a removed file is not brought back once it
+    exists again or the file it describes (``of``) is gone (``--delete-all-output``)."""
+
+    OLD_NS = 1_000_000_000  # the modification time make_old gives, in ns
 
     def __init__(self) -> None:
-        self._undo: list[tuple[Path, bytes | None, int, int]] = []
+        self._undo: list[tuple[Path, bytes | None, int, int, Path | None]] = []
 
     def make_old(self, path: str | os.PathLike) -> None:
         path = Path(path).absolute()  # undone at exit, where the working directory may differ
         st = path.stat()
-        self._undo.append((path, None, st.st_atime_ns, st.st_mtime_ns))
-        os.utime(path, (1, 1))  # 0 would read as "no time" to Snakemake
+        self._undo.append((path, None, st.st_atime_ns, st.st_mtime_ns, None))
+        os.utime(path, ns=(self.OLD_NS, self.OLD_NS))  # 0 would read as "no time" to Snakemake
 
-    def remove(self, path: str | os.PathLike) -> None:
+    def remove(self, path: str | os.PathLike, of: str | os.PathLike) -> None:
+        """Remove ``path``, a record of the file ``of`` (a shard's manifest, the verifier's
+        record of its folder)."""
         path = Path(path).absolute()
         st = path.stat()
-        self._undo.append((path, path.read_bytes(), st.st_atime_ns, st.st_mtime_ns))
+        self._undo.append(
+            (path, path.read_bytes(), st.st_atime_ns, st.st_mtime_ns, Path(of).absolute())
+        )
         path.unlink()
 
     def undo(self) -> None:
-        """Put back every file as it was, the latest edit first."""
-        for path, content, atime, mtime in reversed(self._undo):
-            if content is not None and not path.exists():
+        """Put back every file that is still as planning left it, the latest edit first."""
+        for path, content, atime, mtime, of in reversed(self._undo):
+            if content is None:
+                if path.exists() and path.stat().st_mtime_ns == self.OLD_NS:
+                    os.utime(path, ns=(atime, mtime))
+            elif not path.exists() and of is not None and of.exists():
                 tmp = path.with_name(f".{path.name}.undo-tmp")
                 tmp.write_bytes(content)
+                os.utime(tmp, ns=(atime, mtime))
                 os.replace(tmp, path)
-            if path.exists():
-                os.utime(path, ns=(atime, mtime))
         self._undo.clear()

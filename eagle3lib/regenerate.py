@@ -285,7 +285,7 @@ def vllm_sample(server, cfg: RegenerateConfig) -> Generate:
         i, prompt = item
         return server.complete(
             prompt, cfg.synthetic_max_tokens, temperature=1.0, top_p=1.0, seed=cfg.seed + i
-        )
+        )  # top_k, min_p and repetition penalty off (serve.VllmServer.completion)
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
@@ -295,19 +295,24 @@ def vllm_sample(server, cfg: RegenerateConfig) -> Generate:
 
 
 def synthetic_conversations(
-    sample: Generate, prefix: list[int], cfg: RegenerateConfig, decode, log=print
+    sample: Generate,
+    prefix: list[int],
+    cfg: RegenerateConfig,
+    decode,
+    eos: set[int],
+    log=print,
 ) -> list[dict[str, Any]]:
     """``cfg.synthetic_prompts`` user prompts sampled after ``prefix``, as one-turn
-    conversations ``synthetic-<i>``; dropped: a prompt still running after
-    ``cfg.synthetic_max_tokens`` tokens, an empty one, one repeating an earlier kept one
-    (conversations.first_prompt_key)."""
+    conversations ``synthetic-<i>``; dropped: a prompt that has not ended its turn (an
+    ``eos`` token) within ``cfg.synthetic_max_tokens`` tokens, an empty one, one repeating an
+    earlier kept one (conversations.first_prompt_key)."""
     t0 = time.perf_counter()
     out, seen = [], set()
     unfinished = empty = repeats = 0
     for i, ids in enumerate(sample([list(prefix)] * cfg.synthetic_prompts)):
         text = decode(ids)
         turns = [{"role": "user", "content": text}]
-        if len(ids) >= cfg.synthetic_max_tokens:
+        if len(ids) >= cfg.synthetic_max_tokens and ids[-1] not in eos:
             unfinished += 1
         elif not text:
             empty += 1
@@ -318,10 +323,18 @@ def synthetic_conversations(
             out.append({"id": f"synthetic-{i}", "turns": turns})
     log(
         f"regenerate: {len(out)} of {cfg.synthetic_prompts} synthetic prompts kept "
-        f"in {time.perf_counter() - t0:.1f} s ({unfinished} still running after "
+        f"in {time.perf_counter() - t0:.1f} s ({unfinished} not ended within "
         f"{cfg.synthetic_max_tokens} tokens, {empty} empty, {repeats} repeats)"
     )
     return out
+
+
+def turn_ends(tokenizer) -> set[int]:
+    """The tokens that end a turn: the tokenizer's end-of-sequence token and the verifier's
+    generation_config's, where the tokenizer knows its folder."""
+    path = Path(getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return eos_ids(tokenizer.eos_token_id, config.get("eos_token_id"))
 
 
 def synthesizer(make_sampler, tokenizer, cfg: RegenerateConfig, log=print):
@@ -332,9 +345,9 @@ def synthesizer(make_sampler, tokenizer, cfg: RegenerateConfig, log=print):
     prefix = user_turn_prefix(tokenizer)  # a template without user text fails before any work
 
     def synthesize() -> list[dict[str, Any]]:
-        return synthetic_conversations(
-            make_sampler(len(prefix)), prefix, cfg, lambda ids: answer_text(tokenizer, ids), log
-        )
+        sample = make_sampler(len(prefix))
+        decode = lambda ids: answer_text(tokenizer, ids)  # noqa: E731
+        return synthetic_conversations(sample, prefix, cfg, decode, turn_ends(tokenizer), log)
 
     return synthesize
 

@@ -175,12 +175,17 @@ class VllmServer:
         return text
 
     def completion(self, prompt_ids: list[int], max_tokens: int, **sampling) -> dict[str, Any]:
-        """/v1/completions of token ids (greedy unless ``sampling`` says otherwise)."""
+        """/v1/completions of token ids (greedy unless ``sampling`` says otherwise), on the raw
+        logits: vLLM would otherwise take top_k, min_p and a repetition penalty from the
+        verifier's generation_config (as eagle3lib.regenerate.RAW_LOGITS does for HF)."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": 0.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
             "return_token_ids": True,
             **sampling,
         }

@@ -208,7 +208,7 @@ def forget_damaged_shards():
         problem = size_mismatch(shard, manifest)
         if problem:
             print(f"warning: {problem}; rebuilding shard {i}", file=sys.stderr)
-            PLANNING_EDITS.remove(manifest)
+            PLANNING_EDITS.remove(manifest, of=shard)
 
 
 def print_disk_estimate(facts):
@@ -642,7 +642,7 @@ def forget_stale_artifacts():
                 stale.append(record)
     if PROVENANCE["verifier"] in stale:
         if Path(VERIFIER).exists():
-            PLANNING_EDITS.remove(VERIFIER)
+            PLANNING_EDITS.remove(VERIFIER, of=PROVENANCE["verifier"])
         stale = [r for paths in records.values() for r in paths if Path(r).exists()]
     for record in stale:
         PLANNING_EDITS.make_old(record)

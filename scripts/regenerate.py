@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
-from eagle3lib.errors import cli
+from eagle3lib.errors import UserError, cli
 from eagle3lib.fileio import write_json
 from eagle3lib.lifetime import hold_folders
 
@@ -45,6 +45,11 @@ def main() -> None:
     data = json.loads(a.data)
     section = json.loads(a.regenerate)
     cfg = from_dict(RegenerateConfig, section)
+    if cfg.synthetic_prompts and (a.workers > 1 or a.worker):
+        raise UserError(
+            "config key regenerate.synthetic_prompts: prompts are sampled once, by one "
+            f"process, not by {a.workers} workers; set regenerate.workers: 1"
+        )
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     check_chat_template(tokenizer, str(a.train))

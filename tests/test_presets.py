@@ -157,3 +157,12 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
         "humaneval": 0,
         "ifbench": 0,
     }
+    # regenerate.synthetic_prompts: 0 is how this build was made (the rule leaves the keys out
+    # of its parameters while it is 0); sampling some would regenerate, and what follows
+    for prompts, planned in ((0, False), (3, True)):
+        extra = tmp_path / "synthetic.yaml"
+        extra.write_text(f"regenerate: {{synthetic_prompts: {prompts}}}\n")
+        plan = run_snakemake(
+            tmp_path, None, "-n", "--configfile", str(preset), str(overlay), str(extra)
+        )
+        assert ("regenerate" in job_counts(plan.stdout)) is planned, plan.stdout

@@ -80,19 +80,48 @@ def test_planning_edits_are_undone_to_the_byte_and_the_nanosecond(tmp_path):
     from eagle3lib.provenance import PlanningEdits
 
     record, manifest = tmp_path / "provenance-train.json", tmp_path / "shard-1.json"
+    shard = tmp_path / "shard-1.safetensors"
+    shard.write_bytes(b"states")
     record.write_text("{}")
-    manifest.write_bytes(b'{"bytes": 12}')
+    manifest.write_bytes(b'{"bytes": 6}')
     for i, p in enumerate((record, manifest)):
         os.utime(p, ns=(1_700_000_000_123_456_789 + i, 1_700_000_001_987_654_321 + i))
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (record, manifest)}
     edits = PlanningEdits()
     edits.make_old(record)
     edits.make_old(record)
-    edits.remove(manifest)
+    edits.remove(manifest, of=shard)
     assert record.stat().st_mtime == 1 and not manifest.exists()
     edits.undo()
-    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (record, manifest)}
-    assert after == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["provenance-train.json", "shard-1.json"]
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (record, manifest)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "provenance-train.json", "shard-1.json", "shard-1.safetensors"
+    ]  # fmt: skip
     edits.undo()  # nothing left to undo
     assert record.stat().st_mtime_ns == before[record][1]
+
+
+def test_planning_edits_leave_what_changed_since_alone(tmp_path):
+    """A record rewritten after planning dated it (a real run beside a dry run) keeps its new
+    time; a removed manifest is not brought back once it exists again, nor when its shard is
+    gone (snakemake --delete-all-output removes both)."""
+    import os
+
+    from eagle3lib.provenance import PlanningEdits
+
+    record, manifest, shard = (tmp_path / n for n in ("p.json", "m.json", "s.safetensors"))
+    for p in (record, manifest, shard):
+        p.write_text("old")
+    edits = PlanningEdits()
+    edits.make_old(record)
+    edits.remove(manifest, of=shard)
+    record.write_text("rewritten")
+    os.utime(record, ns=(1_800_000_000_000_000_000,) * 2)
+    manifest.write_text("rebuilt")
+    edits.undo()
+    assert record.stat().st_mtime_ns == 1_800_000_000_000_000_000
+    assert manifest.read_text() == "rebuilt"
+    edits.remove(manifest, of=shard)
+    shard.unlink()
+    edits.undo()
+    assert not manifest.exists()

@@ -280,9 +280,11 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
     repeats are dropped; the rest become one-turn conversations spread evenly among the
     training ones (the last tenth, validation's, holds both kinds); an interrupted job samples
     nothing again."""
-    cfg = RegenerateConfig(chunk_size=4, synthetic_prompts=6, synthetic_max_tokens=3)
-    sampled = [[1, 9], [2, 2, 2], [0], [3, 9], [1, 9], [4, 9]]  # ends (9) within 3 tokens
+    cfg = RegenerateConfig(chunk_size=4, synthetic_prompts=7, synthetic_max_tokens=3)
+    # a turn ends with 9; [2, 2, 2] has not ended within 3 tokens, [5, 5, 9] just has
+    sampled = [[1, 9], [2, 2, 2], [0], [3, 9], [1, 9], [4, 9], [5, 5, 9]]
     texts = {1: "Plan a trip?", 2: "runs on", 0: "", 3: "Why is the sky blue", 4: "plan  A trip?"}
+    texts[5] = "Tell me more"
     calls = []
 
     def sample(prompts):
@@ -294,7 +296,7 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
 
     def synthesize():
         return rg.synthetic_conversations(
-            sample, prefix, cfg, lambda ids: texts[ids[0]], logs.append
+            sample, prefix, cfg, lambda ids: texts[ids[0]], {9}, logs.append
         )
 
     convs = [
@@ -302,21 +304,23 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
     ]
     args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
     first = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
-    assert calls == [[prefix] * 6]
-    assert "2 of 6 synthetic prompts kept" in logs[0]
-    assert "(1 still running after 3 tokens, 1 empty, 2 repeats)" in logs[0]
+    assert calls == [[prefix] * 7]
+    assert "3 of 7 synthetic prompts kept" in logs[0]
+    assert "(1 not ended within 3 tokens, 1 empty, 2 repeats)" in logs[0]
     ids = [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert ids == ["0", "1", "synthetic-0", "2", "3", "4", "5", "synthetic-3", "6", "7"]
+    assert ids == [
+        "0", "synthetic-0", "1", "2", "3", "synthetic-3", "4", "5", "6", "synthetic-6", "7"
+    ]  # fmt: skip
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert out[2]["messages"][0] == {"role": "user", "content": "Plan a trip?"}
-    assert out[2]["messages"][1]["role"] == "assistant"
-    assert first["conversations_in"] == 8 and first["synthetic_conversations"] == 2
-    assert first["conversations_out"] == 10
+    assert out[1]["messages"][0] == {"role": "user", "content": "Plan a trip?"}
+    assert out[1]["messages"][1]["role"] == "assistant"
+    assert first["conversations_in"] == 8 and first["synthetic_conversations"] == 3
+    assert first["conversations_out"] == 11
     before = (tmp_path / "out.jsonl").read_bytes()
     (tmp_path / "work" / "chunk-00001.jsonl").unlink()  # as if killed during chunk 2
     logs.clear()
     again = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
-    assert len(calls) == 1 and "2 synthetic prompts of an earlier attempt reused" in logs[0]
+    assert len(calls) == 1 and "3 synthetic prompts of an earlier attempt reused" in logs[0]
     assert again["chunks_reused"] == 2 and (tmp_path / "out.jsonl").read_bytes() == before
 
 
@@ -353,6 +357,33 @@ def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_
         rg.synthesizer(None, NoUserText(), RegenerateConfig(synthetic_prompts=1))
 
 
+def test_vllm_sampling_gives_each_request_its_own_seed_and_raw_logits(monkeypatch):
+    """Synthetic prompts through a vLLM server: the same prefix n times, request i seeded
+    with regenerate.seed + i (one seed for all would give n copies of one prompt); the
+    request body turns off the sampling defaults vLLM takes from generation_config."""
+    from eagle3lib.serve import VllmServer
+
+    bodies = []
+
+    class Server(VllmServer):
+        def __init__(self):
+            self.model, self.url = "m", "http://127.0.0.1:1"
+
+    def post(url, body):
+        bodies.append(body)
+        return {"choices": [{"token_ids": [body["seed"]]}]}
+
+    monkeypatch.setattr("eagle3lib.serve.post_json", post)
+    cfg = RegenerateConfig(seed=7, concurrency=2, synthetic_max_tokens=5)
+    out = rg.vllm_sample(Server(), cfg)([[1, 2]] * 3)
+    assert out == [[7], [8], [9]]
+    assert sorted(b["seed"] for b in bodies) == [7, 8, 9]
+    assert {(b["temperature"], b["top_p"], b["top_k"], b["min_p"]) for b in bodies} == {
+        (1.0, 1.0, -1, 0.0)
+    }
+    assert {(b["repetition_penalty"], b["max_tokens"]) for b in bodies} == {(1.0, 5)}
+
+
 def test_the_regenerate_job_samples_synthetic_prompts_with_its_verifier(verifier_record, tmp_path):
     """scripts/regenerate.py with regenerate.synthetic_prompts (hf backend, CPU): the job
     samples them from the verifier it loaded and logs and records what it kept. The tiny
@@ -369,10 +400,13 @@ def test_the_regenerate_job_samples_synthetic_prompts_with_its_verifier(verifier
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "0 of 5 synthetic prompts kept" in proc.stderr
-    assert "(5 still running after 4 tokens, 0 empty, 0 repeats)" in proc.stderr
+    assert "(5 not ended within 4 tokens, 0 empty, 0 repeats)" in proc.stderr
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["synthetic_conversations"] == 0 and info["conversations_out"] == 3
     assert (tmp_path / "chunks" / "synthetic.jsonl").read_text() == ""
+    refused = subprocess.run([*cmd, "--workers", "2"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "regenerate.synthetic_prompts: prompts are sampled once" in refused.stderr
 
 
 def test_workers_split_the_chunks_and_the_leased_gpus(tmp_path):

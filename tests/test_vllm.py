@@ -105,7 +105,7 @@ def test_regenerated_with_a_vllm_server(served):
     assert info["conversations_in"] == info["conversations_out"] == 30 and info["chunks"] == 4
     # the tiny random verifier does not end a user turn within 4 tokens: none is kept
     log = (results / "logs" / "regenerate.log").read_text()
-    assert "0 of 4 synthetic prompts kept" in log and "(4 still running after 4 tokens" in log
+    assert "0 of 4 synthetic prompts kept" in log and "(4 not ended within 4 tokens" in log
     assert info["synthetic_conversations"] == 0
     records = [
         json.loads(x)
