@@ -240,14 +240,20 @@ def hf_generate(
 def vllm_generate(server, cfg: RegenerateConfig) -> Generate:
     """Requests to a running vLLM server, ``cfg.concurrency`` at a time."""
 
-    def one(prompt: list[int]) -> list[int]:
+    def one(item: tuple[int, list[int]]) -> list[int]:
         return server.complete(
-            prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
+            item[1], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
         )
 
+    return in_parallel(one, cfg.concurrency)
+
+
+def in_parallel(one, concurrency: int) -> Generate:
+    """A Generate that sends ``one((i, prompt))`` for every prompt, ``concurrency`` at a time."""
+
     def generate(prompts: list[list[int]]) -> list[list[int]]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            return list(pool.map(one, prompts))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, enumerate(prompts)))
 
     return generate
 
@@ -281,17 +287,15 @@ def vllm_sample(server, cfg: RegenerateConfig) -> Generate:
     """Synthetic prompts from a vLLM server: request i gets seed ``cfg.seed + i``, so that the
     same prefix gives different samples, reproducibly."""
 
+    s = sampling(cfg)
+
     def one(item: tuple[int, list[int]]) -> list[int]:
         i, prompt = item
         return server.complete(
-            prompt, cfg.synthetic_max_tokens, temperature=1.0, top_p=1.0, seed=cfg.seed + i
+            prompt, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed + i
         )  # top_k, min_p and repetition penalty off (serve.VllmServer.completion)
 
-    def generate(prompts: list[list[int]]) -> list[list[int]]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-            return list(pool.map(one, enumerate(prompts)))
-
-    return generate
+    return in_parallel(one, cfg.concurrency)
 
 
 def synthetic_conversations(
@@ -316,10 +320,10 @@ def synthetic_conversations(
             unfinished += 1
         elif not text:
             empty += 1
-        elif first_prompt_key(turns) in seen:
+        elif (key := first_prompt_key(turns)) in seen:
             repeats += 1
         else:
-            seen.add(first_prompt_key(turns))
+            seen.add(key)
             out.append({"id": f"synthetic-{i}", "turns": turns})
     log(
         f"regenerate: {len(out)} of {cfg.synthetic_prompts} synthetic prompts kept "
