@@ -18,7 +18,9 @@ evaluated on (BENCHMARKS.md, "Where acceptance is lost"): three checks that need
 
 With ``--synthetic N``: N user prompts sampled from the verifier as regeneration samples them
 (``regenerate.synthetic_prompts``, seed 0), how many are kept, their length, and the verifier's
-greedy answers to the first ``--prompts`` of them as a third set.
+greedy answers to the first ``--prompts`` of them as a third set; ``--system`` samples them
+under system prompts (``regenerate.synthetic_system_prompts``), and ``code_share`` counts the
+prompts of each set that name code (a word match).
 
 With ``--acceptance`` (a run's reports/acceptance.json, whose headline set is MT-bench): that
 run's acceptance length pooled over the MT-bench answers with at least 30 % repeated 4-grams
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -51,6 +54,11 @@ from eagle3lib.conversations import (  # noqa: E402
     read_records,
 )
 from eagle3lib.regenerate import hf_generate  # noqa: E402
+
+CODE_WORDS = re.compile(
+    r"\b(python|code|function|script|program|def|class|javascript|java|sql|html|css|regex)\b",
+    re.IGNORECASE,
+)
 
 
 def text_figures(answers: list[list[int]], limit: int) -> dict:
@@ -137,11 +145,12 @@ def synthetic_figures(model, tokenizer, a, sets) -> dict:
         batch_size=a.batch_size, synthetic_prompts=a.synthetic, synthetic_max_tokens=128
     )
     said = []
-    prefix = rg.user_turn_prefix(tokenizer)
+    systems = [None if s == "default" else s for s in a.system or ["default"]]
+    prefixes = [rg.user_turn_prefix(tokenizer, s) for s in systems]
     t = time.perf_counter()
     kept = rg.synthetic_conversations(
         hf_generate(model, tokenizer, rg.sampling(cfg)),
-        prefix,
+        prefixes,
         cfg,
         lambda ids: rg.answer_text(tokenizer, ids),
         rg.turn_ends(tokenizer),
@@ -152,12 +161,24 @@ def synthetic_figures(model, tokenizer, a, sets) -> dict:
     def mean_tokens(xs):
         return round(statistics.mean(len(data.prompt_token_ids(tokenizer, x)) for x in xs), 1)
 
+    def under(conversation):  # the system prompt of synthetic-<i>
+        return int(conversation["id"].removeprefix("synthetic-")) % len(systems)
+
+    def code_share(xs):  # prompts that ask about code, by a crude word match
+        return round(sum(bool(CODE_WORDS.search(x)) for x in xs) / len(xs), 3)
+
     figures = {
         "sampled": a.synthetic,
         "kept": len(kept),
         "log": said[0],
         "seconds": round(time.perf_counter() - t, 1),
         "mean_prompt_tokens": {n: mean_tokens(x) for n, x in [*sets, ("synthetic", texts)]},
+        "code_share": {n: code_share(x) for n, x in [*sets, ("synthetic", texts)]},
+        "per_system_prompt": [  # prompt i was sampled under system prompt i mod their number
+            {"system": system, "kept": len(xs), "code_share": code_share(xs) if xs else None}
+            for j, system in enumerate(systems)
+            for xs in [[c["turns"][0]["content"] for c in kept if under(c) == j]]
+        ],
         "examples": texts[:8],
     }
     print(json.dumps(figures, ensure_ascii=False), flush=True)
@@ -178,6 +199,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--synthetic", type=int, default=0, help="synthetic prompts to sample")
+    p.add_argument(
+        "--system",
+        action="append",
+        help="a system prompt to sample synthetic prompts under (regenerate."
+        "synthetic_system_prompts; repeat for several; 'default': the template's own)",
+    )
     p.add_argument("--acceptance", type=Path, help="a run's reports/acceptance.json")
     p.add_argument("--greedy-json", type=Path, help="this script's --json of an earlier call")
     p.add_argument("--json", type=Path)

@@ -96,6 +96,7 @@ class RegenerateConfig:
     compile: bool = False
     synthetic_prompts: int = 0
     synthetic_max_tokens: int = 128
+    synthetic_system_prompts: list[str | None] = dataclasses.field(default_factory=list)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -263,14 +263,23 @@ def in_parallel(one, concurrency: int) -> Generate:
 USER_TEXT = "\x00user text\x00"  # where a user turn's text goes; no template writes it
 
 
-def user_turn_prefix(tokenizer) -> list[int]:
-    """The chat template rendered up to where the text of a first user turn begins (with the
-    system turn the template adds by default, if any): what a synthetic prompt continues."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": USER_TEXT}], tokenize=False)
+def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
+    """The chat template rendered up to where the text of a first user turn begins: under
+    system turn ``system``, or the one the template adds by default (if any) for None. What a
+    synthetic prompt continues."""
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template(
+        [*turns, {"role": "user", "content": USER_TEXT}], tokenize=False
+    )
     if USER_TEXT not in text:
         raise UserError(
             "config key regenerate.synthetic_prompts: the verifier's chat template does not "
             "render a user turn's text as given; set synthetic_prompts: 0"
+        )
+    if system is not None and system not in text:
+        raise UserError(
+            "config key regenerate.synthetic_system_prompts: the verifier's chat template does "
+            f"not render the system turn {system!r}; leave the key empty"
         )
     return tokenizer(text[: text.index(USER_TEXT)], add_special_tokens=False)["input_ids"]
 
@@ -300,20 +309,22 @@ def vllm_sample(server, cfg: RegenerateConfig) -> Generate:
 
 def synthetic_conversations(
     sample: Generate,
-    prefix: list[int],
+    prefixes: list[list[int]],
     cfg: RegenerateConfig,
     decode,
     eos: set[int],
     log=print,
 ) -> list[dict[str, Any]]:
-    """``cfg.synthetic_prompts`` user prompts sampled after ``prefix``, as one-turn
-    conversations ``synthetic-<i>``; dropped: a prompt that has not ended its turn (an
-    ``eos`` token) within ``cfg.synthetic_max_tokens`` tokens, an empty one, one repeating an
-    earlier kept one (conversations.first_prompt_key)."""
+    """``cfg.synthetic_prompts`` user prompts sampled after ``prefixes`` (prompt i after
+    prefix i mod their number: one per system prompt), as one-turn conversations
+    ``synthetic-<i>``; dropped: a prompt that has not ended its turn (an ``eos`` token) within
+    ``cfg.synthetic_max_tokens`` tokens, an empty one, one repeating an earlier kept one
+    (conversations.first_prompt_key)."""
     t0 = time.perf_counter()
     out, seen = [], set()
     unfinished = empty = repeats = 0
-    for i, ids in enumerate(sample([list(prefix)] * cfg.synthetic_prompts)):
+    asked = [list(prefixes[i % len(prefixes)]) for i in range(cfg.synthetic_prompts)]
+    for i, ids in enumerate(sample(asked)):
         text = decode(ids)
         turns = [{"role": "user", "content": text}]
         if len(ids) >= cfg.synthetic_max_tokens and ids[-1] not in eos:
@@ -325,8 +336,9 @@ def synthetic_conversations(
         else:
             seen.add(key)
             out.append({"id": f"synthetic-{i}", "turns": turns})
+    under = f" under {len(prefixes)} system prompts" if len(prefixes) > 1 else ""
     log(
-        f"regenerate: {len(out)} of {cfg.synthetic_prompts} synthetic prompts kept "
+        f"regenerate: {len(out)} of {cfg.synthetic_prompts} synthetic prompts{under} kept "
         f"in {time.perf_counter() - t0:.1f} s ({unfinished} not ended within "
         f"{cfg.synthetic_max_tokens} tokens, {empty} empty, {repeats} repeats)"
     )
@@ -343,15 +355,17 @@ def turn_ends(tokenizer) -> set[int]:
 
 def synthesizer(make_sampler, tokenizer, cfg: RegenerateConfig, log=print):
     """The synthetic-prompt step for ``regenerate`` (None when none are asked for);
-    ``make_sampler(prefix_length)`` builds the sampling Generate when the step runs."""
+    ``make_sampler(width)`` builds the sampling Generate (prompts of at most ``width``
+    tokens) when the step runs."""
     if not cfg.synthetic_prompts:
         return None
-    prefix = user_turn_prefix(tokenizer)  # a template without user text fails before any work
+    # a template that renders no user text (or not a system turn as given) fails before any work
+    prefixes = [user_turn_prefix(tokenizer, s) for s in cfg.synthetic_system_prompts or [None]]
 
     def synthesize() -> list[dict[str, Any]]:
-        sample = make_sampler(len(prefix))
+        sample = make_sampler(max(map(len, prefixes)))
         decode = lambda ids: answer_text(tokenizer, ids)  # noqa: E731
-        return synthetic_conversations(sample, prefix, cfg, decode, turn_ends(tokenizer), log)
+        return synthetic_conversations(sample, prefixes, cfg, decode, turn_ends(tokenizer), log)
 
     return synthesize
 

@@ -303,10 +303,13 @@ def compile_if_off(name):
 
 def regenerate_section():
     """The regenerate section as its rule's parameter: GPU and worker counts are resources;
-    the synthetic-prompt keys only when prompts are sampled (runs made before them stay
-    current)."""
-    synthetic = ("synthetic_prompts", "synthetic_max_tokens")
-    unused = () if config["regenerate"]["synthetic_prompts"] else synthetic
+    the synthetic-prompt keys only when prompts are sampled, their system prompts only when
+    given (runs made before the keys stay current)."""
+    regenerate = config["regenerate"]
+    synthetic = ("synthetic_prompts", "synthetic_max_tokens", "synthetic_system_prompts")
+    unused = synthetic if not regenerate["synthetic_prompts"] else ()
+    if not regenerate["synthetic_system_prompts"]:
+        unused += ("synthetic_system_prompts",)
     drop = ("gpus", "enabled", "workers", *compile_if_off("regenerate"), *unused)
     return section("regenerate", drop=drop)
 

@@ -148,8 +148,8 @@ def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
     model = load_model(record, resolve_dtype("auto", device), device_map=device_map_for_job())
     width = json.loads(a.data)["max_length"]  # a prompt is shorter (longer ones are skipped)
 
-    def sampler(prefix_length: int):  # synthetic prompts: every row the same prefix
-        return rg.hf_generate(model, tokenizer, rg.sampling(cfg), prompt_width=prefix_length)
+    def sampler(prefix_width: int):  # synthetic prompts: a template prefix per system prompt
+        return rg.hf_generate(model, tokenizer, rg.sampling(cfg), prompt_width=prefix_width)
 
     return run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width), sampler)
 

@@ -158,10 +158,12 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
         "ifbench": 0,
     }
     # regenerate.synthetic_prompts: 0 is how this build was made (the rule leaves the keys out
-    # of its parameters while it is 0); sampling some would regenerate, and what follows
-    for prompts, planned in ((0, False), (3, True)):
+    # of its parameters while it is 0, system prompts included); sampling some would
+    # regenerate, and what follows
+    system = "synthetic_system_prompts: [null, Write code.]"
+    for section, planned in ((f"0, {system}", False), ("3", True)):
         extra = tmp_path / "synthetic.yaml"
-        extra.write_text(f"regenerate: {{synthetic_prompts: {prompts}}}\n")
+        extra.write_text(f"regenerate: {{synthetic_prompts: {section}}}\n")
         plan = run_snakemake(
             tmp_path, None, "-n", "--configfile", str(preset), str(overlay), str(extra)
         )

@@ -296,7 +296,7 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
 
     def synthesize():
         return rg.synthetic_conversations(
-            sample, prefix, cfg, lambda ids: texts[ids[0]], {9}, logs.append
+            sample, [prefix], cfg, lambda ids: texts[ids[0]], {9}, logs.append
         )
 
     convs = [
@@ -322,6 +322,15 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
     again = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
     assert len(calls) == 1 and "3 synthetic prompts of an earlier attempt reused" in logs[0]
     assert again["chunks_reused"] == 2 and (tmp_path / "out.jsonl").read_bytes() == before
+    # regenerate.synthetic_system_prompts: prompt i continues prefix i mod their number
+    calls.clear()
+    logs.clear()
+    kept = rg.synthetic_conversations(
+        sample, [prefix, [7]], cfg, lambda ids: texts[ids[0]], {9}, logs.append
+    )
+    assert calls == [[prefix, [7], prefix, [7], prefix, [7], prefix]]
+    assert [c["id"] for c in kept] == ["synthetic-0", "synthetic-3", "synthetic-6"]
+    assert "3 of 7 synthetic prompts under 2 system prompts kept" in logs[0]
 
 
 def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_seed(
@@ -337,6 +346,12 @@ def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_
     )
     assert rendered[: len(prefix)] == prefix and len(rendered) > len(prefix)
     assert tokenizer.decode(prefix).endswith("user\n")
+    # under a system prompt (regenerate.synthetic_system_prompts): that system turn instead
+    # of the template's default, then the same user-turn opening
+    steered = rg.user_turn_prefix(tokenizer, "You write Python.")
+    assert steered != prefix and tokenizer.decode(steered).endswith("user\n")
+    assert "You write Python." in tokenizer.decode(steered)
+    assert "You write Python." not in tokenizer.decode(prefix)
 
     def sampled(seed):
         cfg = RegenerateConfig(batch_size=4, seed=seed, synthetic_max_tokens=12)
@@ -355,6 +370,17 @@ def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_
                 return "<|im_start|>user\n(redacted)<|im_end|>\n"
 
         rg.synthesizer(None, NoUserText(), RegenerateConfig(synthetic_prompts=1))
+    with pytest.raises(UserError, match="regenerate.synthetic_system_prompts: .* 'Be brief.'"):
+
+        class NoSystemTurn:  # a template that ignores system turns
+            def apply_chat_template(self, messages, tokenize):
+                return f"<|im_start|>user\n{messages[-1]['content']}<|im_end|>\n"
+
+            def __call__(self, text, add_special_tokens):
+                return {"input_ids": [1]}
+
+        cfg = RegenerateConfig(synthetic_prompts=1, synthetic_system_prompts=[None, "Be brief."])
+        rg.synthesizer(None, NoSystemTurn(), cfg)
 
 
 def test_vllm_sampling_gives_each_request_its_own_seed_and_raw_logits(monkeypatch):
@@ -386,20 +412,22 @@ def test_vllm_sampling_gives_each_request_its_own_seed_and_raw_logits(monkeypatc
 
 def test_the_regenerate_job_samples_synthetic_prompts_with_its_verifier(verifier_record, tmp_path):
     """scripts/regenerate.py with regenerate.synthetic_prompts (hf backend, CPU): the job
-    samples them from the verifier it loaded and logs and records what it kept. The tiny
-    random verifier does not end a user turn within 4 tokens, so none is kept here."""
+    samples them from the verifier it loaded, under each system prompt given, and logs and
+    records what it kept. The tiny random verifier does not end a user turn within 4 tokens,
+    so none is kept here."""
     from eagle3lib.fileio import write_json
 
     convs = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(3, seed=4))
     write_json(tmp_path / "verifier.json", verifier_record)
     data = {"train": {"path": str(convs)}, "max_length": 256}
-    section = {"max_new_tokens": 4, "synthetic_prompts": 5, "synthetic_max_tokens": 4}
+    section = {"max_new_tokens": 4, "synthetic_prompts": 5, "synthetic_max_tokens": 4,
+               "synthetic_system_prompts": [None, "You write Python."]}  # fmt: skip
     cmd = regenerate_command(tmp_path / "verifier.json", convs, data, section, tmp_path)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "0 of 5 synthetic prompts kept" in proc.stderr
+    assert "0 of 5 synthetic prompts under 2 system prompts kept" in proc.stderr
     assert "(5 not ended within 4 tokens, 0 empty, 0 repeats)" in proc.stderr
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["synthetic_conversations"] == 0 and info["conversations_out"] == 3
