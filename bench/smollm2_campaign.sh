@@ -108,9 +108,31 @@ launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
 }
 
 case "${1:-}" in
-unpack-regenerated) # what wait brought back, carried in .xfer-regen/: one checked file
-  cat .xfer-regen/regenerated.jsonl.gz.part-* >/tmp/regenerated.jsonl.gz
-  (cd /tmp && sha256sum -c "$OLDPWD/.xfer-regen/regenerated.sha256")
+unpack-regenerated) # what wait brought back, carried in .xfer-regen/: for each NAME.sha256
+  # there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...)
+  for sum in .xfer-regen/*.sha256; do
+    name=$(basename "$sum" .sha256)
+    cat ".xfer-regen/$name.jsonl.gz.part-"* >"/tmp/$name.jsonl.gz"
+    (cd /tmp && sha256sum -c "$OLDPWD/$sum")
+  done
+  ;;
+merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a prompts build's
+  # output) spread evenly among BASE's (eagle3lib.regenerate.interleave, as the job does), ids
+  # synthetic-TAG-<i> with a TAG; OUT gzip
+  python3 - "$2" "$3" "$4" "${5:-}" <<'PY'
+import gzip, json, sys
+from eagle3lib.regenerate import interleave
+def read(path):
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+base, tag = read(sys.argv[1]), sys.argv[4]
+synthetic = [r for r in read(sys.argv[2]) if str(r["id"]).startswith("synthetic-")]
+for r in synthetic if tag else []:
+    r["id"] = f"synthetic-{tag}-{r['id'].removeprefix('synthetic-')}"
+with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
+    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in interleave(base, synthetic))
+print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones")
+PY
   ;;
 start)
   launch run
@@ -135,7 +157,8 @@ run-synthetic)
     echo "run: $P"
     echo "data: {train: {max_samples: 1}}"
     echo "extract: {shards: 1}" # the checks before a build ask for no more shards than samples
-    echo "regenerate: {enabled: true, synthetic_prompts: $2, workers: 1, gpus: 1}"
+    # max_turns 1: the ShareGPT conversation's later turns would each take a generate call
+    echo "regenerate: {enabled: true, synthetic_prompts: $2, workers: 1, gpus: 1, max_turns: 1}"
   } >"$C/prompts.yaml"
   echo "$(date +%T) prompts: start" >>"$C/status"
   # shellcheck disable=SC2086
@@ -143,20 +166,9 @@ run-synthetic)
     "$C/noserve.yaml" "$C/prompts.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
     >"$C/snakemake-prompts.log" 2>&1
   cp "results/$P/regenerated/regenerate.json" "$C/prompts-regenerate.json"
-  # 2. spread among the earlier conversations (eagle3lib.regenerate.interleave, as the job does)
-  python3 - "$REGENERATED" "results/$P/regenerated/conversations.jsonl" "$C/combined.jsonl.gz" \
-    >>"$C/status" <<'PY'
-import gzip, json, sys
-from eagle3lib.regenerate import interleave
-def read(path):
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-base = read(sys.argv[1])
-synthetic = [r for r in read(sys.argv[2]) if str(r["id"]).startswith("synthetic-")]
-with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
-    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in interleave(base, synthetic))
-print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones")
-PY
+  # 2. spread among the earlier conversations
+  bash "$0" merge "$REGENERATED" "results/$P/regenerated/conversations.jsonl" "$C/combined.jsonl.gz" \
+    "${SYNTHETIC_TAG:-}" >>"$C/status"
   # 3. the build from the merged conversations, as start's
   trap - ERR
   exec bash "$0" run
@@ -226,7 +238,7 @@ wait)
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | wait [SECONDS] | unpack-regenerated" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | wait [SECONDS] | unpack-regenerated | merge BASE SYNTHETIC OUT [TAG]" >&2
   exit 2
   ;;
 esac
