@@ -98,8 +98,9 @@ def read_conversations(
 def answer_text(tokenizer, ids: list[int]) -> str:
     """The assistant turn stored for the generated ``ids``: their text without special tokens,
     stripped (prepare renders it through the chat template again, so the tokens trained on
-    can differ from ``ids`` where decoding and encoding do not round-trip)."""
-    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+    can differ from ``ids`` where decoding and encoding do not round-trip). A character whose
+    bytes the token limit cut off is left out, rather than stored as U+FFFD."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
 
 
 def regenerate_chunk(

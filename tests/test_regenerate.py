@@ -275,6 +275,15 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     assert changed["chunks_reused"] == 0 and sum(calls) == 10  # other settings: nothing reused
 
 
+def test_an_answer_cut_inside_a_character_leaves_it_out(tokenizer):
+    """A byte-level tokenizer spends several tokens on one emoji; an answer that the token limit
+    cuts between them is stored without the partial character (not as U+FFFD)."""
+    ids = tokenizer("Done \U0001f600", add_special_tokens=False)["input_ids"]
+    cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    assert rg.answer_text(tokenizer, ids[:cut]) == "Done"
+    assert rg.answer_text(tokenizer, ids) == "Done \U0001f600"
+
+
 def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(tmp_path):
     """regenerate.synthetic_prompts: prompts still running at the token limit, empty ones and
     repeats are dropped; the rest become one-turn conversations spread evenly among the
