@@ -19,8 +19,8 @@ evaluated on (BENCHMARKS.md, "Where acceptance is lost"): three checks that need
 With ``--synthetic N``: N user prompts sampled from the verifier as regeneration samples them
 (``regenerate.synthetic_prompts``, seed 0), how many are kept, their length, and the verifier's
 greedy answers to the first ``--prompts`` of them as a third set; ``--system`` samples them
-under system prompts (``regenerate.synthetic_system_prompts``), and ``code_share`` counts the
-prompts of each set that name code (a word match).
+under system prompts (``regenerate.synthetic_system_prompts``), and ``code_share`` is the
+share of each set's prompts that name code (a word match).
 
 With ``--acceptance`` (a run's reports/acceptance.json, whose headline set is MT-bench): that
 run's acceptance length pooled over the MT-bench answers with at least 30 % repeated 4-grams

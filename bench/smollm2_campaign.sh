@@ -118,20 +118,38 @@ unpack-regenerated) # what wait brought back, carried in .xfer-regen/: for each 
   ;;
 merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a prompts build's
   # output) spread evenly among BASE's (eagle3lib.regenerate.interleave, as the job does), ids
-  # synthetic-TAG-<i> with a TAG; OUT gzip
-  python3 - "$2" "$3" "$4" "${5:-}" <<'PY'
+  # synthetic-TAG-<i> with a TAG; OUT gzip. Left out: one whose prompt BASE or an earlier one
+  # holds (a build sampling with an earlier build's seed repeats its prompts). Answers lose a
+  # trailing U+FFFD, as regenerate.answer_text now does (files made before it kept one).
+  python3 - "${2:?BASE}" "${3:?SYNTHETIC}" "${4:?OUT}" "${5:-}" <<'PY'
 import gzip, json, sys
+from eagle3lib.conversations import first_prompt_key
 from eagle3lib.regenerate import interleave
 def read(path):
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 base, tag = read(sys.argv[1]), sys.argv[4]
-synthetic = [r for r in read(sys.argv[2]) if str(r["id"]).startswith("synthetic-")]
-for r in synthetic if tag else []:
-    r["id"] = f"synthetic-{tag}-{r['id'].removeprefix('synthetic-')}"
+seen = {first_prompt_key(r["messages"]) for r in base}
+synthetic, repeats = [], 0
+for r in read(sys.argv[2]):
+    if not str(r["id"]).startswith("synthetic-"):
+        continue
+    if (key := first_prompt_key(r["messages"])) in seen:
+        repeats += 1
+        continue
+    seen.add(key)
+    if tag:
+        r["id"] = f"synthetic-{tag}-{r['id'].removeprefix('synthetic-')}"
+    synthetic.append(r)
+merged = interleave(base, synthetic)
+for r in merged:
+    for m in r["messages"]:
+        if m["role"] == "assistant":
+            m["content"] = m["content"].rstrip("\ufffd").strip()
 with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
-    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in interleave(base, synthetic))
-print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones")
+    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in merged)
+print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones "
+      f"({repeats} left out, their prompt already there)")
 PY
   ;;
 start)
@@ -224,6 +242,10 @@ wait)
     hidden_states/shard-0.json; do
     test -e "$R/$f" && small+=("$R/$f")
   done
+  P=results/${RUN_NAME:-smollm2-gpu}-prompts # start-synthetic's prompts build
+  for f in logs/regenerate.log regenerated/regenerate.json; do
+    test -e "$P/$f" && small+=("$P/$f")
+  done
   tar -czf "${OUT:?}/campaign.tgz" --exclude "*.safetensors" --exclude "bench-train/*/*" \
     --exclude "*.jsonl.gz" \
     "$C" "${small[@]}" 2>/dev/null || true
@@ -232,7 +254,7 @@ wait)
   # does not finish in the session's device time can start from them next time, as
   # data.train.path with regeneration off; likewise start-synthetic's answered prompts
   bring_back "$R/regenerated/conversations.jsonl" regenerated
-  bring_back "results/${RUN_NAME:-smollm2-gpu}-prompts/regenerated/conversations.jsonl" synthetic
+  bring_back "$P/regenerated/conversations.jsonl" "${RUN_NAME:-smollm2-gpu}-synthetic"
   cat "$C/status"
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1

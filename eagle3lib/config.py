@@ -99,6 +99,18 @@ class RegenerateConfig:
     synthetic_system_prompts: list[str | None] = dataclasses.field(default_factory=list)
 
 
+def synthetic_keys_left_out(regenerate: dict[str, Any]) -> tuple[str, ...]:
+    """The synthetic-prompt keys of the regenerate section that its rule leaves out of its
+    parameters, so that runs made before a key existed stay current: all of them while no
+    prompts are sampled, the system prompts while none is given (only nulls sample as none)."""
+    keys = ("synthetic_prompts", "synthetic_max_tokens", "synthetic_system_prompts")
+    if not regenerate["synthetic_prompts"]:
+        return keys
+    if all(s is None for s in regenerate["synthetic_system_prompts"]):
+        return keys[2:]
+    return ()
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """speculators' default auxiliary layers."""
     return [2, num_layers // 2, num_layers - 3]

@@ -269,15 +269,23 @@ def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
     system turn ``system``, or the one the template adds by default (if any) for None. What a
     synthetic prompt continues."""
     turns = [{"role": "system", "content": system}] if system is not None else []
-    text = tokenizer.apply_chat_template(
-        [*turns, {"role": "user", "content": USER_TEXT}], tokenize=False
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            [*turns, {"role": "user", "content": USER_TEXT}], tokenize=False
+        )
+    except Exception as exc:  # e.g. a template that raises on a system turn
+        if system is None:
+            raise
+        raise UserError(
+            f"config key regenerate.synthetic_system_prompts: the verifier's chat template "
+            f"refused the system turn {system!r} ({exc}); leave the key empty"
+        ) from exc
     if USER_TEXT not in text:
         raise UserError(
             "config key regenerate.synthetic_prompts: the verifier's chat template does not "
             "render a user turn's text as given; set synthetic_prompts: 0"
         )
-    if system is not None and system not in text:
+    if system is not None and system.strip() not in text:  # templates may trim it
         raise UserError(
             "config key regenerate.synthetic_system_prompts: the verifier's chat template does "
             f"not render the system turn {system!r}; leave the key empty"

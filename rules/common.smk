@@ -10,6 +10,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import acceptance_gate  # noqa: E402
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
+from eagle3lib.config import synthetic_keys_left_out  # noqa: E402
 from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
@@ -305,11 +306,7 @@ def regenerate_section():
     """The regenerate section as its rule's parameter: GPU and worker counts are resources;
     the synthetic-prompt keys only when prompts are sampled, their system prompts only when
     given (runs made before the keys stay current)."""
-    regenerate = config["regenerate"]
-    synthetic = ("synthetic_prompts", "synthetic_max_tokens", "synthetic_system_prompts")
-    unused = synthetic if not regenerate["synthetic_prompts"] else ()
-    if not regenerate["synthetic_system_prompts"]:
-        unused += ("synthetic_system_prompts",)
+    unused = synthetic_keys_left_out(config["regenerate"])
     drop = ("gpus", "enabled", "workers", *compile_if_off("regenerate"), *unused)
     return section("regenerate", drop=drop)
 

@@ -133,3 +133,19 @@ def test_one_aux_layer_check_before_and_after_the_depth_is_known(aux_layers, num
         with pytest.raises(UserError, match=re.escape(message)):
             resolve_aux_layers(aux_layers, num_layers)
     assert resolve_aux_layers(None, 8) == [2, 4, 5] and resolve_aux_layers([5, 0], 8) == [5, 0]
+
+
+def test_the_regenerate_rule_leaves_out_the_synthetic_keys_it_does_not_use():
+    """Runs made before a synthetic-prompt key existed stay current while the key is unused:
+    no prompts sampled, or no system prompt given (only nulls sample as none)."""
+    from eagle3lib.config import synthetic_keys_left_out
+
+    def left_out(prompts, system):
+        return synthetic_keys_left_out(
+            {"synthetic_prompts": prompts, "synthetic_system_prompts": system}
+        )
+
+    every = ("synthetic_prompts", "synthetic_max_tokens", "synthetic_system_prompts")
+    assert left_out(0, ["Write code."]) == every
+    assert left_out(5, []) == left_out(5, [None, None]) == ("synthetic_system_prompts",)
+    assert left_out(5, [None, "Write code."]) == ()

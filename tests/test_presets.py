@@ -40,6 +40,7 @@ OVERLAY_GATES = {
     "no-regen-all": {"mtbench": {"3": 2.403, "5": 2.748}, "humaneval": {"3": 2.678, "5": 3.179}},
     "regen-2-gpus": PRESET_GATE,
     "regen-all": PRESET_GATE,
+    "synthetic-steered": PRESET_GATE,
 }
 
 

@@ -391,6 +391,22 @@ def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_
         cfg = RegenerateConfig(synthetic_prompts=1, synthetic_system_prompts=[None, "Be brief."])
         rg.synthesizer(None, NoSystemTurn(), cfg)
 
+    class TrimsSystemTurn(NoSystemTurn):  # renders the system turn stripped
+        def apply_chat_template(self, messages, tokenize):
+            system = f"<|im_start|>system\n{messages[0]['content'].strip()}<|im_end|>\n"
+            return system + super().apply_chat_template(messages, tokenize)
+
+    rg.user_turn_prefix(TrimsSystemTurn(), " Be brief.\n")  # accepted
+
+    class RefusesSystemTurn(NoSystemTurn):
+        def apply_chat_template(self, messages, tokenize):
+            if messages[0]["role"] == "system":
+                raise ValueError("System role not supported")
+            return super().apply_chat_template(messages, tokenize)
+
+    with pytest.raises(UserError, match="refused the system turn 'Be brief.'.*not supported"):
+        rg.user_turn_prefix(RefusesSystemTurn(), "Be brief.")
+
 
 def test_vllm_sampling_gives_each_request_its_own_seed_and_raw_logits(monkeypatch):
     """Synthetic prompts through a vLLM server: the same prefix n times, request i seeded
