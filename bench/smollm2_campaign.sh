@@ -254,7 +254,7 @@ wait)
   # does not finish in the session's device time can start from them next time, as
   # data.train.path with regeneration off; likewise start-synthetic's answered prompts
   bring_back "$R/regenerated/conversations.jsonl" regenerated
-  bring_back "$P/regenerated/conversations.jsonl" "${RUN_NAME:-smollm2-gpu}-synthetic"
+  bring_back "$P/regenerated/conversations.jsonl" "${RUN_NAME:-smollm2-gpu}-prompts"
   cat "$C/status"
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1
