@@ -120,11 +120,11 @@ merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a p
   # output) spread evenly among BASE's (eagle3lib.regenerate.interleave, as the job does), ids
   # synthetic-TAG-<i> with a TAG; OUT gzip. Left out: one whose prompt BASE or an earlier one
   # holds (a build sampling with an earlier build's seed repeats its prompts). Answers lose a
-  # trailing U+FFFD, as regenerate.answer_text now does (files made before it kept one).
+  # character the token limit cut, as regenerate.answer_text now does (earlier files kept it).
   python3 - "${2:?BASE}" "${3:?SYNTHETIC}" "${4:?OUT}" "${5:-}" <<'PY'
 import gzip, json, sys
 from eagle3lib.conversations import first_prompt_key
-from eagle3lib.regenerate import interleave
+from eagle3lib.regenerate import interleave, without_cut_character
 def read(path):
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
@@ -145,7 +145,7 @@ merged = interleave(base, synthetic)
 for r in merged:
     for m in r["messages"]:
         if m["role"] == "assistant":
-            m["content"] = m["content"].rstrip("\ufffd").strip()
+            m["content"] = without_cut_character(m["content"])
 with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
     fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in merged)
 print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones "

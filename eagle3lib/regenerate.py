@@ -98,9 +98,18 @@ def read_conversations(
 def answer_text(tokenizer, ids: list[int]) -> str:
     """The assistant turn stored for the generated ``ids``: their text without special tokens,
     stripped (prepare renders it through the chat template again, so the tokens trained on
-    can differ from ``ids`` where decoding and encoding do not round-trip). A character whose
-    bytes the token limit cut off is left out, rather than stored as U+FFFD."""
-    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd").strip()
+    can differ from ``ids`` where decoding and encoding do not round-trip), without a
+    character the token limit cut (``without_cut_character``)."""
+    return without_cut_character(tokenizer.decode(ids, skip_special_tokens=True).strip())
+
+
+def without_cut_character(text: str) -> str:
+    """``text`` without its last U+FFFD: what decoding leaves of a character whose bytes the
+    token limit cut off (one U+FFFD, however many of its bytes came). Kept where nothing else
+    would be left (a text of such characters only)."""
+    if text.endswith("\ufffd") and text[:-1].strip():
+        return text[:-1].strip()
+    return text
 
 
 def regenerate_chunk(
