@@ -123,11 +123,11 @@ merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a p
   # character the token limit cut, as regenerate.answer_text now does (earlier files kept it).
   python3 - "${2:?BASE}" "${3:?SYNTHETIC}" "${4:?OUT}" "${5:-}" <<'PY'
 import gzip, json, sys
-from eagle3lib.conversations import first_prompt_key
+from pathlib import Path
+from eagle3lib.conversations import first_prompt_key, read_records
 from eagle3lib.regenerate import interleave, without_cut_character
 def read(path):
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return [record for _, record in read_records(Path(path))]
 base, tag = read(sys.argv[1]), sys.argv[4]
 seen = {first_prompt_key(r["messages"]) for r in base}
 synthetic, repeats = [], 0
