@@ -11,6 +11,7 @@ finish, so an interrupted job resumes with the missing chunks only.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import sys
@@ -189,6 +190,75 @@ def regenerate_chunk(
     ]
 
 
+# The attention HF generate runs under grouped_query_decoding (registered on first use).
+GROUPED_SDPA = "eagle3-grouped-sdpa"
+# Decoding steps (and short verification chunks) are folded; a prefill is left to HF's sdpa.
+FOLD_MAX_QUERIES = 16
+
+
+def grouped_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs
+):
+    """HF's ``sdpa`` attention, except where a few query positions (a decoding step) attend
+    under a padding mask with grouped key/value heads (GQA): the query heads that share a
+    key/value head are then attended as extra query rows of that head. transformers instead
+    copies every key and value once per query head whenever a mask is given (torch's fused
+    SDPA kernels take no mask together with ``enable_gqa``), so a decoding step of a large
+    left-padded batch writes and reads its KV cache several times over (at SmolLM2-135M's 9
+    query and 3 key/value heads: 3 copies). Each query row's scores, softmax and weighted sum
+    are the same either way."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    if (
+        groups == 1
+        or attention_mask is None
+        or attention_mask.ndim != 4
+        or attention_mask.shape[1] != 1
+        or queries > FOLD_MAX_QUERIES
+        or dropout > 0
+        or heads != kv_heads * groups
+        or any(kwargs.get(k) is not None for k in ("position_bias", "cache"))
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # query head h uses key/value head h // groups (HF's repeat_kv): rows (group, position)
+    mask = attention_mask[:, :, :, : key.shape[-2]]
+    mask = mask[:, :, None].expand(batch, 1, groups, queries, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups * queries, dim),
+        key,
+        value,
+        attn_mask=mask.reshape(batch, 1, groups * queries, -1),
+        scale=scaling,
+    )
+    return out.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def grouped_query_decoding(model):
+    """Run ``model`` with grouped_sdpa_attention while in the block, where it uses HF's sdpa
+    (other implementations are left as they are), and restore it after."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if GROUPED_SDPA not in AttentionInterface._global_mapping:  # noqa: SLF001
+        AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+        AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks sdpa gets
+    model.set_attn_implementation(GROUPED_SDPA)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def hf_generate(
     model, tokenizer, cfg: RegenerateConfig, prompt_width: int | None = None
 ) -> Generate:
@@ -227,7 +297,7 @@ def hf_generate(
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.as_tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
-            with torch.inference_mode():
+            with torch.inference_mode(), grouped_query_decoding(model):
                 gen = model.generate(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),

@@ -239,6 +239,69 @@ def test_hf_backend_replies_are_the_verifiers_greedy_text(
         assert new == expected
 
 
+@pytest.mark.parametrize("queries", [1, 3])
+def test_grouped_decoding_attention_is_hfs_sdpa_without_copying_the_keys(verifier_model, queries):
+    """A decoding step under a left-padding mask: the query heads that share a key/value head
+    attended as rows of that head give HF's sdpa output (which copies the keys and values per
+    query head); a prefill longer than FOLD_MAX_QUERIES is left to HF's sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = verifier_model.model.layers[0].self_attn
+    groups = module.num_key_value_groups
+    assert groups == 2  # the tiny verifier: 4 query heads, 2 key/value heads
+    g = torch.Generator().manual_seed(queries)
+    batch, kv_heads, length, dim = 3, 2, 10, 16
+    query = torch.randn(batch, queries, kv_heads * groups, dim, generator=g).transpose(1, 2)
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
+    visible = torch.arange(length)[None] >= torch.tensor([0, 4, 7])[:, None]  # left padding
+    causal = torch.arange(length)[None] <= torch.arange(length - queries, length)[:, None]
+    mask = (visible[:, None, :] & causal[None])[:, None]  # (batch, 1, queries, length)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        calls.append(q.shape[1])
+        return sdpa(q, *args, **kwargs)
+
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        got, _ = rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    assert calls == [kv_heads]  # one call, over the key/value heads
+    assert got.shape == want.shape == (batch, queries, kv_heads * groups, dim)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    long = rg.FOLD_MAX_QUERIES + 1
+    prefill = torch.randn(batch, kv_heads * groups, long, dim, generator=g)
+    keys = torch.randn(batch, kv_heads, long, dim, generator=g)
+    full = torch.ones(batch, 1, long, long, dtype=torch.bool).tril()
+    calls.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        rg.grouped_sdpa_attention(module, prefill, keys, keys, full)
+    assert calls == [kv_heads * groups]
+
+
+def test_hf_generate_decodes_with_grouped_attention_and_restores_sdpa(
+    verifier_model, tokenizer, monkeypatch
+):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        calls.append(q.shape[1:3])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    generate = rg.hf_generate(verifier_model, tokenizer, RegenerateConfig(max_new_tokens=4))
+    width = rg.FOLD_MAX_QUERIES + 2
+    generate([[5] * (width - 1), [6] * width])  # left-padded: a mask at every step
+    layers = verifier_model.config.num_hidden_layers
+    assert calls[:layers] == [(4, width)] * layers  # the prefill: HF's sdpa, a row per head
+    assert set(calls[layers:]) == {(2, 2)}  # each decoding step: 2 groups of 2 query heads
+    assert verifier_model.config._attn_implementation == "sdpa"
+
+
 def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     convs = [
         {"id": str(i), "turns": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(10)

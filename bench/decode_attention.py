@@ -1,0 +1,242 @@
+"""Decoding under a padding mask with grouped key/value heads: the attention HF generate runs in
+regeneration and evaluation (eagle3lib.regenerate.grouped_sdpa_attention) against transformers'
+own sdpa attention, which copies every key and value once per query head whenever a mask is
+given. A random model of SmolLM2-135M-Instruct's shape (9 query heads, 3 key/value heads), on a
+GPU (or the CPU, slowly).
+
+    python3 bench/decode_attention.py check    # one decoding step's attention: both outputs,
+                                               # their difference and time; then greedy text of
+                                               # both through hf_generate (tokens compared)
+    python3 bench/decode_attention.py speed    # hf_generate as the regen-all job runs it
+                                               # (regenerate.compile, batch 1024, prompts
+                                               # left-padded to 1024 tokens, 256 new), both
+                                               # attentions, rounds interleaved
+
+Prints a table and ``key = value`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train import SMOLLM2  # noqa: E402
+
+from eagle3lib import regenerate as rg  # noqa: E402
+from eagle3lib.config import RegenerateConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_of_smollm2_shape(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(DEVICE, dtype).eval()
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        synchronize()
+        t = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def attention_step(batch: int, length: int, dtype) -> dict[str, float]:
+    """One layer's attention for one decoding step: HF's sdpa against the grouped one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
+    dim = SMOLLM2["hidden_size"] // heads
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    query = torch.randn(batch, heads, 1, dim, generator=g, device=DEVICE, dtype=dtype)
+    key, value = (
+        torch.randn(batch, kv_heads, length, dim, generator=g, device=DEVICE, dtype=dtype)
+        for _ in range(2)
+    )
+    pad = torch.randint(0, length - 1, (batch,), generator=g, device=DEVICE)
+    mask = (torch.arange(length, device=DEVICE)[None] >= pad[:, None])[:, None, None]
+    scale = dim**-0.5
+    with torch.inference_mode():
+        hf = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)[0]
+        grouped = rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=scale)[0]
+        diff = (hf.float() - grouped.float()).abs()
+        return {
+            "max_abs_diff": diff.max().item(),
+            "equal_share": (diff == 0).float().mean().item(),
+            "hf_ms": 1e3
+            * timed(
+                lambda: sdpa_attention_forward(module, query, key, value, mask, scaling=scale), 20
+            ),
+            "grouped_ms": 1e3
+            * timed(
+                lambda: rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=scale),
+                20,
+            ),
+        }
+
+
+@contextlib.contextmanager
+def hf_sdpa():
+    """hf_generate with transformers' own sdpa attention (grouped_query_decoding a no-op)."""
+    grouped = rg.grouped_query_decoding
+    rg.grouped_query_decoding = lambda model: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        rg.grouped_query_decoding = grouped
+
+
+def prompts_of(batch: int, width: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, width + 1, (batch,), generator=g).tolist()
+    return [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(variant: str, generate, prompts) -> tuple[float, list[list[int]]]:
+    with hf_sdpa() if variant == "hf" else contextlib.nullcontext():
+        synchronize()
+        t = time.perf_counter()
+        out = generate(prompts)
+        synchronize()
+    return time.perf_counter() - t, out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """Share of replies with the same tokens, and of tokens before the first difference."""
+    same = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+    prefix = 0
+    for x, y in zip(a, b, strict=True):
+        n = next(
+            (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y))
+        )
+        prefix += n
+    return same, prefix / max(1, sum(map(len, a)))
+
+
+def check(args) -> None:
+    print(
+        f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    )
+    print(
+        "| dtype | batch | cache length | max abs diff | equal values | HF sdpa ms | grouped ms | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    keys = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, length in ((1024, 1280), (256, 1280)):
+            r = attention_step(batch, length, dtype)
+            name = str(dtype).split(".")[-1]
+            print(
+                f"| {name} | {batch} | {length} | {r['max_abs_diff']:.2e} | {r['equal_share']:.4f} | "
+                f"{r['hf_ms']:.3f} | {r['grouped_ms']:.3f} | {r['hf_ms'] / r['grouped_ms']:.2f} |",
+                flush=True,
+            )
+            keys.append(
+                f"decode_attention.{name}.b{batch}.speedup = {r['hf_ms'] / r['grouped_ms']:.2f}"
+            )
+            keys.append(f"decode_attention.{name}.b{batch}.max_abs_diff = {r['max_abs_diff']:.3g}")
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = model_of_smollm2_shape(dtype)
+        cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=args.batch)
+        generate = rg.hf_generate(model, tokenizer, cfg)
+        prompts = prompts_of(args.batch, args.width, 1)
+        seconds, outs = {}, {}
+        for variant in ("hf", "grouped", "hf", "grouped"):
+            seconds[variant], outs[variant] = run(variant, generate, prompts)
+        same, prefix = agreement(outs["hf"], outs["grouped"])
+        name = str(dtype).split(".")[-1]
+        print(
+            f"greedy {name}, batch {args.batch}, prompts <= {args.width}, {args.new} new, no compile: "
+            f"HF sdpa {seconds['hf']:.2f} s, grouped {seconds['grouped']:.2f} s; replies equal "
+            f"{same:.4f}, tokens before the first difference {prefix:.4f}",
+            flush=True,
+        )
+        keys.append(f"decode_attention.greedy.{name}.replies_equal = {same:.4f}")
+        del model
+    print("\n".join(keys))
+
+
+def speed(args) -> None:
+    model = model_of_smollm2_shape(torch.bfloat16)
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=args.batch, compile=DEVICE == "cuda")
+    rows, keys, outs = [], [], {}
+    for rnd in range(args.rounds):
+        for variant in ("hf", "grouped") if rnd % 2 == 0 else ("grouped", "hf"):
+            torch._dynamo.reset()  # each variant compiles its own decoding, as a job would
+            generate = rg.hf_generate(model, tokenizer, cfg, prompt_width=args.width)
+            first, _ = run(variant, generate, prompts_of(args.batch, args.width, 10 + rnd))
+            again, out = run(variant, generate, prompts_of(args.batch, args.width, 1))
+            outs.setdefault(variant, out)
+            tokens = sum(map(len, out))
+            rows.append((rnd + 1, variant, first, again, tokens / again))
+            print(
+                f"| {rnd + 1} | {variant} | {first:.1f} | {again:.2f} | {tokens / again:,.0f} |",
+                flush=True,
+            )
+    same, prefix = agreement(outs["hf"], outs["grouped"])
+    hf = [r[3] for r in rows if r[1] == "hf"]
+    grouped = [r[3] for r in rows if r[1] == "grouped"]
+    print(
+        f"batch {args.batch}, prompts left-padded to {args.width}, {args.new} new tokens: a call "
+        f"{statistics.median(hf):.2f} s with HF sdpa, {statistics.median(grouped):.2f} s grouped "
+        f"(medians; {min(hf) / max(grouped):.2f}-{max(hf) / min(grouped):.2f} x); replies equal "
+        f"{same:.4f}, tokens before the first difference {prefix:.4f}"
+    )
+    keys += [
+        f"generate.smollm2.b{args.batch}.compiled.hf_sdpa_seconds_per_call = {statistics.median(hf):.2f}",
+        f"generate.smollm2.b{args.batch}.compiled.grouped_seconds_per_call = {statistics.median(grouped):.2f}",
+        f"generate.smollm2.b{args.batch}.compiled.grouped_speedup = {statistics.median(hf) / statistics.median(grouped):.2f}",
+    ]
+    print("\n".join(keys))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("mode", choices=["check", "speed"])
+    p.add_argument("--batch", type=int, default=None, help="check: 256, speed: 1024")
+    p.add_argument("--width", type=int, default=None, help="prompt tokens (check 512, speed 1024)")
+    p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
+    p.add_argument("--rounds", type=int, default=2, help="speed: rounds of both variants")
+    args = p.parse_args()
+    defaults = {"check": (256, 512, 64), "speed": (1024, 1024, 256)}[args.mode]
+    args.batch, args.width, args.new = (
+        v if v is not None else d
+        for v, d in zip((args.batch, args.width, args.new), defaults, strict=True)
+    )
+    if args.mode == "speed":
+        print("| round | attention | first call s (compiling) | again s | new tokens/s |")
+        print("|---|---|---|---|---|")
+    (check if args.mode == "check" else speed)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
