@@ -7,6 +7,10 @@ GPU (or the CPU, slowly).
     python3 bench/decode_attention.py check    # one decoding step's attention: both outputs,
                                                # their difference and time; then greedy text of
                                                # both through hf_generate (tokens compared)
+    python3 bench/decode_attention.py kernels  # one decoding step's attention by other
+                                               # kernels too: SDPA's cuDNN backend (folded,
+                                               # and with enable_gqa), compiled flex attention
+                                               # (split-KV decoding, grouped heads natively)
     python3 bench/decode_attention.py speed    # hf_generate as the regen-all job runs it
                                                # (regenerate.compile, batch 1024, prompts
                                                # left-padded to 1024 tokens, 256 new), both
@@ -97,6 +101,98 @@ def attention_step(batch: int, length: int, dtype) -> dict[str, float]:
                 20,
             ),
         }
+
+
+def decode_kernels(batch: int, length: int, dtype) -> list[tuple[str, float | None, float | None]]:
+    """One layer's attention for one decoding step by several kernels: (name, ms, max abs
+    difference from transformers' sdpa); ms None where the kernel refused the inputs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
+    dim = SMOLLM2["hidden_size"] // heads
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    query = torch.randn(batch, heads, 1, dim, generator=g, device=DEVICE, dtype=dtype)
+    key, value = (
+        torch.randn(batch, kv_heads, length, dim, generator=g, device=DEVICE, dtype=dtype)
+        for _ in range(2)
+    )
+    pad = torch.randint(0, length - 1, (batch,), generator=g, device=DEVICE)
+    keep = torch.arange(length, device=DEVICE)[None] >= pad[:, None]
+    mask = keep[:, None, None]
+    scale = dim**-0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def keep_score(score, b, h, q_idx, kv_idx):
+        return torch.where(keep[b, kv_idx], score, -float("inf"))
+
+    def under(backend, fn):
+        def run():
+            with sdpa_kernel([backend]):
+                return fn()
+
+        return run
+
+    def grouped():
+        return rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=scale)[0]
+
+    variants = {
+        "transformers' sdpa": lambda: sdpa_attention_forward(
+            module, query, key, value, mask, scaling=scale
+        )[0],
+        "grouped (default backend)": grouped,
+        "grouped, cuDNN": under(SDPBackend.CUDNN_ATTENTION, grouped),
+        "enable_gqa with the mask, cuDNN": under(
+            SDPBackend.CUDNN_ATTENTION,
+            lambda: sdpa(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True),
+        ),
+        "flex attention, compiled": lambda: flex(
+            query, key, value, score_mod=keep_score, enable_gqa=True, scale=scale
+        ),
+    }
+    rows = []
+    with torch.inference_mode():
+        want = variants["transformers' sdpa"]().float()
+        for name, fn in variants.items():
+            try:
+                got = fn()
+            except RuntimeError as e:  # a backend that does not take these inputs
+                print(f"{name}: {str(e).splitlines()[0][:120]}", flush=True)
+                rows.append((name, None, None))
+                continue
+            if got.shape != want.shape:  # transformers' layout: (batch, positions, heads, dim)
+                got = got.transpose(1, 2)
+            diff = (got.float() - want).abs().max().item()
+            rows.append((name, 1e3 * timed(fn, 20), diff))
+    return rows
+
+
+def kernels(args) -> None:
+    print(
+        "| dtype | batch | cache positions | kernel | ms | max abs difference | vs transformers' sdpa |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    keys = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, length in ((1024, 1280), (256, 1280)):
+            rows = decode_kernels(batch, length, dtype)
+            base = rows[0][1]
+            name = str(dtype).split(".")[-1]
+            for kernel, ms, diff in rows:
+                if ms is None:
+                    print(f"| {name} | {batch} | {length} | {kernel} | refused | | |", flush=True)
+                    continue
+                print(
+                    f"| {name} | {batch} | {length} | {kernel} | {ms:.3f} | {diff:.2e} | "
+                    f"{base / ms:.2f} x |",
+                    flush=True,
+                )
+                slug = kernel.split(" (")[0].replace("'", "").replace(",", "").replace(" ", "_")
+                keys.append(f"decode_attention.{name}.b{batch}.{slug}_ms = {ms:.3f}")
+    print("\n".join(keys))
 
 
 @contextlib.contextmanager
@@ -220,13 +316,15 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("mode", choices=["check", "speed"])
+    p.add_argument("mode", choices=["check", "kernels", "speed"])
     p.add_argument("--batch", type=int, default=None, help="check: 256, speed: 1024")
     p.add_argument("--width", type=int, default=None, help="prompt tokens (check 512, speed 1024)")
     p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
     p.add_argument("--rounds", type=int, default=2, help="speed: rounds of both variants")
     args = p.parse_args()
-    defaults = {"check": (256, 512, 64), "speed": (1024, 1024, 256)}[args.mode]
+    defaults = {"check": (256, 512, 64), "kernels": (0, 0, 0), "speed": (1024, 1024, 256)}[
+        args.mode
+    ]
     args.batch, args.width, args.new = (
         v if v is not None else d
         for v, d in zip((args.batch, args.width, args.new), defaults, strict=True)
@@ -234,7 +332,7 @@ def main() -> int:
     if args.mode == "speed":
         print("| round | attention | first call s (compiling) | again s | new tokens/s |")
         print("|---|---|---|---|---|")
-    (check if args.mode == "check" else speed)(args)
+    {"check": check, "kernels": kernels, "speed": speed}[args.mode](args)
     return 0
 
 
