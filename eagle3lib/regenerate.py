@@ -206,7 +206,8 @@ def grouped_sdpa_attention(
     SDPA kernels take no mask together with ``enable_gqa``), so a decoding step of a large
     left-padded batch writes and reads its KV cache several times over (at SmolLM2-135M's 9
     query and 3 key/value heads: 3 copies). Each query row's scores, softmax and weighted sum
-    are the same either way."""
+    are the same computation either way; the kernels may round differently (bit-identical in
+    fp32 on an H200, a rounding step in 3 values of 10,000 in bf16: BENCHMARKS.md)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
