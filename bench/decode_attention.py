@@ -72,10 +72,9 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def attention_step(batch: int, length: int, dtype) -> dict[str, float]:
-    """One layer's attention for one decoding step: HF's sdpa against the grouped one."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def step_inputs(batch: int, length: int, dtype):
+    """One decoding step of one SmolLM2-shaped layer: a module stub, random query, keys and
+    values, a random left padding per row as the positions kept (batch, length), and the scale."""
     heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
     dim = SMOLLM2["hidden_size"] // heads
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
@@ -86,8 +85,16 @@ def attention_step(batch: int, length: int, dtype) -> dict[str, float]:
         for _ in range(2)
     )
     pad = torch.randint(0, length - 1, (batch,), generator=g, device=DEVICE)
-    mask = (torch.arange(length, device=DEVICE)[None] >= pad[:, None])[:, None, None]
-    scale = dim**-0.5
+    keep = torch.arange(length, device=DEVICE)[None] >= pad[:, None]
+    return module, query, key, value, keep, dim**-0.5
+
+
+def attention_step(batch: int, length: int, dtype) -> dict[str, float]:
+    """One layer's attention for one decoding step: HF's sdpa against the grouped one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, query, key, value, keep, scale = step_inputs(batch, length, dtype)
+    mask = keep[:, None, None]
     with torch.inference_mode():
         hf = sdpa_attention_forward(module, query, key, value, mask, scaling=scale)[0]
         grouped = rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=scale)[0]
@@ -114,19 +121,8 @@ def decode_kernels(batch: int, length: int, dtype) -> list[tuple[str, float | No
     from torch.nn.attention.flex_attention import flex_attention
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    heads, kv_heads = SMOLLM2["num_attention_heads"], SMOLLM2["num_key_value_heads"]
-    dim = SMOLLM2["hidden_size"] // heads
-    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    query = torch.randn(batch, heads, 1, dim, generator=g, device=DEVICE, dtype=dtype)
-    key, value = (
-        torch.randn(batch, kv_heads, length, dim, generator=g, device=DEVICE, dtype=dtype)
-        for _ in range(2)
-    )
-    pad = torch.randint(0, length - 1, (batch,), generator=g, device=DEVICE)
-    keep = torch.arange(length, device=DEVICE)[None] >= pad[:, None]
+    module, query, key, value, keep, scale = step_inputs(batch, length, dtype)
     mask = keep[:, None, None]
-    scale = dim**-0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flex = torch.compile(flex_attention, dynamic=False)
 
