@@ -15,15 +15,15 @@ from conftest import ROOT, alive, wait_until
 
 
 def pids_running(program: str, marker: str) -> list[int]:
-    """Running processes whose first argument after the interpreter is ``program`` and whose
-    command line contains ``marker``."""
+    """Running processes of this interpreter whose first argument is ``program`` and whose
+    command line contains ``marker`` (not the job's ``bash -c "... exec ..."`` before it execs)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if argv[1:2] == [program] and marker in " ".join(argv):
+        if argv[:2] == [sys.executable, program] and marker in " ".join(argv):
             found.append(int(cmdline.parent.name))
     return [p for p in found if alive(p)]
 
