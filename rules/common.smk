@@ -26,6 +26,15 @@ from eagle3lib.verifier_files import (
 )  # noqa: E402
 
 
+# Jobs run `python`: under --sdm conda their environment's (activated in the job's shell, so
+# first on PATH), otherwise the interpreter running snakemake, whose packages planning imports
+# too; so `.venv/bin/snakemake` works without activating .venv.
+if os.environ.get("PATH", "").split(os.pathsep)[0] != str(Path(sys.executable).parent):
+    os.environ["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )
+
+
 def fail(message):
     """Stop with a one-line error (no traceback) and a non-zero exit."""
     print(f"error: {message}", file=sys.stderr)

@@ -50,7 +50,7 @@ def cpu_model() -> str:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The CPU the times above were measured on, and whether torch computes bf16 on it
+    """The CPU this run's test times were measured on, and whether torch computes bf16 on it
     natively (without, the CPU path computes in fp32: eagle3lib.precision)."""
     from eagle3lib.precision import cpu_native_bf16
 

@@ -564,3 +564,22 @@ def test_a_local_gguf_verifier_in_the_workflow(gguf, tmp_path, tmp_path_factory)
     tiny.build_gguf(tmp_path / "models" / "tiny-llama.gguf", other)
     plan = run_snakemake(tmp_path, config, target, "-n")
     assert job_counts(plan.stdout) == {"verifier": 1}
+
+
+def test_the_venvs_snakemake_runs_its_jobs_with_the_venv_unactivated(tmp_path, verifier_dir):
+    """`.venv/bin/snakemake ...` as README shows it, with .venv not on PATH (not activated):
+    the jobs' `python` is the interpreter running snakemake, not the first one on PATH (whose
+    packages lack transformers here)."""
+    env = Env(tmp_path, verifier_dir, verifier_dir)
+    config = env.write_config()
+    clean = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    clean["PATH"] = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"])
+    target = "results/t/verifier/verifier.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"),
+         "--directory", str(tmp_path), "--cores", "1", "--workflow-profile", "none",
+         target, "--configfile", str(config)],
+        env=clean, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / target).read_text())["num_hidden_layers"] == 8
