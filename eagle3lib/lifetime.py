@@ -10,6 +10,9 @@
   lock file holds its PID and host; see ``lock_path``) for the life of its process (the lock's
   descriptor is inherited across ``exec``); a second writer of the same job's artifacts stops
   with one line naming the holder. The kernel releases the lock when the holder dies.
+- ``interpreter_first_on_path``: the Python a job's command names (``python``) is the one
+  running snakemake, whose packages planning imports too, unless the job activates an
+  environment of its own (``--sdm conda`` puts it first on PATH in the job's shell).
 
 Standard library only: the vLLM environment's scripts import it too.
 """
@@ -22,6 +25,8 @@ import fcntl
 import os
 import signal
 import socket
+import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from eagle3lib.errors import UserError
@@ -92,3 +97,15 @@ def hold_folders(job: str, *paths: str | os.PathLike | None) -> None:
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         os.set_inheritable(fd, True)  # held on across exec (train's torchrun relaunch)
         _HELD[lock] = fd
+
+
+def interpreter_first_on_path(
+    environ: MutableMapping[str, str] = os.environ, executable: str = sys.executable
+) -> None:
+    """Put ``executable``'s folder first on ``environ``'s PATH (once), so that the jobs
+    snakemake starts from this process run ``python`` from it: `.venv/bin/snakemake` then
+    works without activating .venv."""
+    folder = str(Path(executable).parent)
+    path = environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != folder:
+        environ["PATH"] = os.pathsep.join([folder, path]) if path else folder

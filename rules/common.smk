@@ -15,6 +15,7 @@ from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
 from eagle3lib.gpu import GPU_SHARING_ENV, sharing_setting  # noqa: E402
+from eagle3lib.lifetime import interpreter_first_on_path  # noqa: E402
 from eagle3lib.multinode import nodes_refusal, sharing_refusal  # noqa: E402
 from eagle3lib.provenance import PlanningEdits, stale_reason  # noqa: E402
 from eagle3lib.provenance import stamp as make_stamp  # noqa: E402
@@ -26,13 +27,8 @@ from eagle3lib.verifier_files import (
 )  # noqa: E402
 
 
-# Jobs run `python`: under --sdm conda their environment's (activated in the job's shell, so
-# first on PATH), otherwise the interpreter running snakemake, whose packages planning imports
-# too; so `.venv/bin/snakemake` works without activating .venv.
-if os.environ.get("PATH", "").split(os.pathsep)[0] != str(Path(sys.executable).parent):
-    os.environ["PATH"] = os.pathsep.join(
-        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
-    )
+# Jobs run `python`: this one, unless --sdm conda activates theirs (eagle3lib/lifetime.py).
+interpreter_first_on_path()
 
 
 def fail(message):
