@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import DISK_FULL
+from eagle3lib.errors import DISK_FULL, UserError
 
 
 @contextlib.contextmanager
@@ -97,9 +97,22 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+class DamagedJson(UserError, ValueError):
+    """A JSON file of the workflow's that does not parse (also a ValueError, as json's own)."""
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    """One of the workflow's own JSON files; one that does not parse (cut short, edited) stops
+    with one line naming it and what to do."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DamagedJson(
+            f"{path}: not valid JSON ({why}); the workflow wrote it, so it was cut short or "
+            "edited since: delete it and rerun, snakemake makes it again"
+        ) from None
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -119,8 +132,9 @@ def fingerprinted_dir(path: str | os.PathLike, fingerprint: Any) -> bool:
     path = Path(path)
     marker = path / "fingerprint.json"
     digest = sha256_json(fingerprint)
-    if marker.exists() and read_json(marker).get("sha256") == digest:
-        return True
+    with contextlib.suppress(ValueError, AttributeError):  # a damaged marker: start over
+        if marker.exists() and read_json(marker).get("sha256") == digest:
+            return True
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     write_json(marker, {"sha256": digest, "fingerprint": fingerprint})

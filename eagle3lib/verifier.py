@@ -189,6 +189,8 @@ def materialize(
     from eagle3lib import lm_weights
 
     lm = lm_weights.resolve(path, load_path, kind, config, trust_remote_code, allow_pickle)
+    # the jobs after this one tokenize with it: a broken tokenizer stops the run here
+    load_tokenizer({"path": path, "load_path": load_path, "trust_remote_code": trust_remote_code})
     config_sha256 = _config_sha256(config)
     return {
         "name": name or default_name(path),
@@ -294,11 +296,20 @@ def identity(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_tokenizer(record: dict[str, Any]):
+    """The verifier's tokenizer; tokenizer files that are missing or do not parse stop with
+    one line naming the verifier."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        record["load_path"], trust_remote_code=record["trust_remote_code"]
-    )
+    try:
+        return AutoTokenizer.from_pretrained(
+            record["load_path"], trust_remote_code=record["trust_remote_code"]
+        )
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # JSONDecodeError: ValueError
+        raise UserError(
+            f"verifier {record['path']!r}: its tokenizer does not load ({_first_line(exc)}); "
+            "its folder needs the tokenizer files of its model (tokenizer.json or the files "
+            "its tokenizer class reads, and tokenizer_config.json), intact"
+        ) from None
 
 
 def load_config(record: dict[str, Any]):
@@ -336,14 +347,23 @@ def load_model(record: dict[str, Any], dtype, device_map=None):
     t0 = time.perf_counter()
     config = load_config(record)
     auto = model_auto_class(config, record["trust_remote_code"])
-    model = auto.from_pretrained(
+    model, info = auto.from_pretrained(
         record["load_path"],
         config=config,
         dtype=dtype,
         device_map=device_map,
         trust_remote_code=record["trust_remote_code"],
         use_safetensors=not record["allow_pickle"],
+        output_loading_info=True,
     )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would leave them random: states of another model
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise UserError(
+            f"verifier {record['path']!r}: its weight files lack {len(missing)} of the model's "
+            f"tensors ({shown}); check that they belong to its config.json (model type, "
+            "layer count, tensor names)"
+        )
     model.eval()
     print(
         f"verifier: loaded {record['name']} in {time.perf_counter() - t0:.1f} s",

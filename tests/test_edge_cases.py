@@ -236,6 +236,18 @@ def _index_names_missing_file(env):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _tokenizer_files(**files: str | None):
+    """The verifier folder's tokenizer files replaced by ``files`` (None: removed)."""
+
+    def setup(env):
+        folder = env.model_copy()
+        for name, text in files.items():
+            path = folder / name.replace("__", ".")
+            path.unlink() if text is None else path.write_text(text)
+
+    return setup
+
+
 def _serve_check(**dotted):
     def setup(env):
         env.set("serve_check.enabled", True)
@@ -303,6 +315,13 @@ CASES = [
     Case("verifier-index-names-a-missing-file", _index_names_missing_file,
          "{dir}/model/model.safetensors.index.json: names 1 missing weight file(s)",
          "copy the model folder again", stage="verifier"),
+    Case("verifier-without-tokenizer-files",
+         _tokenizer_files(tokenizer__json=None, tokenizer_config__json=None),
+         "verifier '{dir}/model': its tokenizer does not load",
+         "its folder needs the tokenizer files of its model", stage="verifier", process=True),
+    Case("verifier-tokenizer-json-cut-short", _tokenizer_files(tokenizer__json='{"version": "1.0", "trunc'),
+         "verifier '{dir}/model': its tokenizer does not load",
+         "its folder needs the tokenizer files of its model", stage="verifier"),
     Case("local-gguf-truncated-reaching-the-verifier-job", _cut_gguf(lambda n: n // 2),
          "{dir}/model.gguf: truncated GGUF file", GGUF_REMEDY, stage="verifier"),
     # -- settings against the verifier (its config.json / GGUF header), before any job
@@ -583,3 +602,42 @@ def test_the_venvs_snakemake_runs_its_jobs_with_the_venv_unactivated(tmp_path, v
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / target).read_text())["num_hidden_layers"] == 8
+
+
+def test_weights_lacking_a_tensor_of_the_model_stop_the_job_that_loads_it(tmp_path, verifier_dir):
+    """A weight file without one of the model's tensors (or with other tensor names):
+    transformers would leave those tensors random and the run would extract the states of
+    another model; loading the verifier stops with one line instead."""
+    import torch
+
+    from eagle3lib.verifier import load_model, materialize
+
+    folder = tmp_path / "model"
+    shutil.copytree(verifier_dir, folder)
+    record = materialize(str(folder), None, tmp_path / "hf")
+    assert load_model(record, torch.float32).config.num_hidden_layers == 8  # intact: loads
+    tiny.edit_weights(folder, drop=("model.layers.3.self_attn.q_proj.weight",))
+    with pytest.raises(UserError) as refused:
+        load_model(materialize(str(folder), None, tmp_path / "hf"), torch.float32)
+    assert str(refused.value) == (
+        f"verifier {str(folder)!r}: its weight files lack 1 of the model's tensors "
+        "(model.layers.3.self_attn.q_proj.weight); check that they belong to its config.json "
+        "(model type, layer count, tensor names)"
+    )
+
+
+@pytest.mark.parametrize("text", ['{"problems": [], "acceptance_le', "\xff\xfe", "[" * 100000])
+def test_a_damaged_json_file_of_the_workflow_stops_with_one_line(
+    text, tmp_path, capfd, monkeypatch
+):
+    """A JSON file the workflow wrote, cut short, not UTF-8 or nested beyond the parser's
+    depth: the job reading it (here validate, on reports/summary.json) names it and says to
+    delete it, and writes nothing."""
+    summary = tmp_path / "summary.json"
+    summary.write_bytes(text.encode("latin-1"))
+    out = tmp_path / "out" / "validation.txt"
+    err = run_main("validate", ["--summary", summary, "--out", out], capfd, monkeypatch)
+    line = one_error_line(err)
+    assert line.startswith(f"error: {summary}: not valid JSON (")
+    assert line.endswith("delete it and rerun, snakemake makes it again")
+    assert not out.exists()
