@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 from eagle3lib.fileio import atomic_path
 
 REQUIRED_FIELDS = (
@@ -90,13 +90,13 @@ def check_readable(checkpoint: Path) -> None:
     try:
         json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
-        detail = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        detail = getattr(exc, "strerror", None) or first_line(exc)
         raise UserError(f"{config_path}: unreadable checkpoint config ({detail}); {redo}") from None
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             list(f.keys())
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         raise UserError(
             f"{weights_path}: unreadable checkpoint weights ({detail}; truncated?); {redo}"
         ) from None
@@ -141,7 +141,7 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     try:
         shapes, dtypes, d2t, t2d = _read_weights(checkpoint / "model.safetensors")
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
-        problems.append(f"model.safetensors unreadable: {str(exc).splitlines()[0]}")
+        problems.append(f"model.safetensors unreadable: {first_line(exc)}")
         report["valid"] = False
         return report
     report["tensors"] = {k: {"shape": shapes[k], "dtype": dtypes[k]} for k in sorted(shapes)}
@@ -221,7 +221,7 @@ def _expected_shapes(checkpoint: Path) -> tuple[dict[str, list[int]], list[str]]
             if k not in Eagle3DraftModel._keys_to_ignore_on_save  # noqa: SLF001
         }
     except Exception as exc:  # noqa: BLE001
-        return {}, [f"config does not build an Eagle3DraftModel: {str(exc).splitlines()[0]}"]
+        return {}, [f"config does not build an Eagle3DraftModel: {first_line(exc)}"]
     return expected, []
 
 
@@ -279,7 +279,7 @@ def _reload_forward(
         if not all(bool((t >= 0).all() and (t < k).all()) for t in tokens):
             return ["reloaded draft proposes ids outside the draft vocab"]
     except Exception as exc:  # noqa: BLE001
-        return [f"reload/forward with speculators failed: {str(exc).splitlines()[0]}"]
+        return [f"reload/forward with speculators failed: {first_line(exc)}"]
     return []
 
 

@@ -54,7 +54,7 @@ def _open_text(path: Path) -> str:
                 "drop the .gz suffix if it is plain text"
             ) from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark some editors write is dropped
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise UserError(
@@ -80,12 +80,27 @@ def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, Any]]:
         if not line.strip():
             continue
         try:
-            yield lineno, json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
+            array = lineno == 1 and line.lstrip().startswith("[")
             raise UserError(
                 f"{path}:{lineno}: invalid JSON ({exc.msg}, column {exc.colno}); "
-                "fix or remove the line"
+                + (
+                    "a JSON array of records goes in a .json file, not .jsonl: rename it"
+                    if array
+                    else "fix or remove the line"
+                )
             ) from None
+        except RecursionError:
+            raise UserError(
+                f"{path}:{lineno}: JSON nested too deeply to read; fix or remove the line"
+            ) from None
+        if lineno == 1 and isinstance(record, list) and ".jsonl" in path.suffixes:
+            raise UserError(
+                f"{path}:1: a JSON array in a .jsonl file (one JSON object a line); a JSON "
+                "array of records goes in a .json file: rename it"
+            )
+        yield lineno, record
 
 
 class _LineCounter:
@@ -134,6 +149,10 @@ def _json_array_records(
         start = pos
         try:
             obj, pos = decoder.raw_decode(text, pos)
+        except RecursionError:
+            raise UserError(
+                f"{path}:{line_of(start)}: JSON nested too deeply to read; fix or remove the record"
+            ) from None
         except json.JSONDecodeError as exc:
             # The file ends inside this record: a string runs to EOF, or the error is at EOF.
             cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.rstrip())
@@ -238,10 +257,21 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
 
 def _prompt_text(path: Path, lineno: int, record: dict[str, Any]) -> Any:
     """A prompt record's prompt: its first turn, its prompt, or its first user turn."""
-    if isinstance(record.get("turns"), list) and record["turns"]:
-        return record["turns"][0]
-    if isinstance(record.get("prompt"), str):
-        return record["prompt"]
+    for key, want in (
+        ("turns", "a list of strings, the first one the prompt"),
+        ("prompt", "a string"),
+    ):
+        value = record.get(key)
+        if value is None:
+            continue
+        if key == "turns" and isinstance(value, list) and value and isinstance(value[0], str):
+            return value[0]
+        if key == "prompt" and isinstance(value, str):
+            return value
+        raise UserError(
+            f"{path}:{lineno}: '{key}' is {json.dumps(value)[:40]}, not {want}; fix or "
+            "remove the line"
+        )
     try:
         messages = normalize_conversation(record)
     except InvalidRecord as exc:

@@ -28,7 +28,7 @@ from eagle3lib.conversations import (
     normalize_conversation,
     read_records,
 )
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 from eagle3lib.leakage import EvalPromptIndex
 
 
@@ -48,11 +48,25 @@ def render_ids_batch(tokenizer, conversations, add_generation_prompt: bool) -> l
 
 
 def check_chat_template(tokenizer, where: str) -> None:
+    """The tokenizer has a chat template, and it parses (a syntax error would otherwise be
+    reported against the first training record)."""
+    from jinja2 import TemplateError
+
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             f"{where}: the verifier's tokenizer has no chat template; loss masks are derived "
             "from it. Use an instruct/chat model or add chat_template.jinja to its folder"
         )
+    exchange = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        tokenizer.apply_chat_template(exchange, tokenize=False)
+    except TemplateError as exc:
+        if type(exc).__name__ != "TemplateSyntaxError":
+            return  # a template may refuse this exchange (raise_exception); records will tell
+        raise UserError(
+            f"{where}: the verifier's chat template does not parse ({first_line(exc)}); fix "
+            "chat_template.jinja (or chat_template in tokenizer_config.json) in its folder"
+        ) from None
 
 
 def supervised_spans(
@@ -282,7 +296,7 @@ def _record_samples(
     except InvalidRecord:
         raise
     except Exception as exc:  # jinja raise_exception, e.g. roles must alternate
-        raise InvalidRecord("chat template failed", str(exc).splitlines()[0]) from None
+        raise InvalidRecord("chat template failed", first_line(exc)) from None
     return samples, "" if samples else _no_samples_reason(messages), set()
 
 
@@ -445,7 +459,7 @@ def load_samples(path: Path) -> Samples:
         t = load_file(str(path))
         return Samples(t["input_ids"], t["loss_mask"], t["offsets"], t["token_freq"])
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, a missing tensor
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         raise UserError(
             f"{path}: unreadable prepared samples ({detail}); delete it and rerun the prepare rule"
         ) from None

@@ -31,6 +31,13 @@ class UserError(Exception):
     """Bad input or configuration. The message is shown to the user as one line."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none), to quote
+    a library's error inside a one-line UserError."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _terminate(signum, _frame):
     raise SystemExit(128 + signum)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import DISK_FULL, UserError
+from eagle3lib.errors import DISK_FULL, UserError, first_line
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def read_json(path: str | os.PathLike) -> Any:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = first_line(exc)
         raise DamagedJson(
             f"{path}: not valid JSON ({why}); the workflow wrote it, so it was cut short or "
             "edited since: delete it and rerun, snakemake makes it again"

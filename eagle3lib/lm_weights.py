@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 
 PARTS = ("embed_tokens", "lm_head", "norm")
 # The names speculators asks its loader for, and which part each is.
@@ -51,7 +51,7 @@ def weight_index(load_path: str, kind: str, allow_pickle: bool) -> dict[str, tup
             except Exception:  # noqa: BLE001
                 raise UserError(
                     f"config key verifier.path: cannot read the weight index of {load_path!r} "
-                    f"({str(exc).splitlines()[0]}); use a local model folder or a reachable "
+                    f"({first_line(exc)}); use a local model folder or a reachable "
                     "hub id"
                 ) from None
             return weight_index(folder, "local", allow_pickle)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.config import PACKAGE_PREFIX
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 from eagle3lib.fileio import atomic_path, read_json, sha256_file, sha256_json
 from eagle3lib.modelfiles import read_gguf_header
 from eagle3lib.verifier_files import (
@@ -78,7 +78,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
             )
     except ValueError as exc:  # e.g. an architecture transformers cannot read from GGUF
         raise UserError(
-            f"{gguf}: transformers cannot convert this GGUF file ({_first_line(exc)}); "
+            f"{gguf}: transformers cannot convert this GGUF file ({first_line(exc)}); "
             "convert the model to a Hugging Face folder and point verifier.path at it"
         ) from None
     # transformers refuses to save a GGUF-loaded model; the weights are plain tensors now.
@@ -89,11 +89,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     with atomic_path(out_dir, directory=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # A quantisation suffix of a GGUF file name: model.Q4_K_M.gguf, model-f16.gguf
@@ -149,24 +144,24 @@ def read_config(path: str, load_path: str, trust_remote_code: bool):
             raise custom_code_refused(path, None) from None
         if local_config.is_file():
             raise UserError(
-                f"{local_config}: not a valid model config ({_first_line(exc)}); fix or replace "
+                f"{local_config}: not a valid model config ({first_line(exc)}); fix or replace "
                 "its config.json"
             ) from None
         raise UserError(
-            f"verifier {path!r}: cannot read its config ({_first_line(exc)}); use a local "
+            f"verifier {path!r}: cannot read its config ({first_line(exc)}); use a local "
             "model folder or a hub id whose config transformers reads"
         ) from None
     except OSError as exc:
         local_config = Path(load_path) / "config.json"
         if local_config.is_file():  # there, but transformers cannot parse it
             raise UserError(
-                f"{local_config}: not a valid model config ({str(exc).splitlines()[0]}); fix or "
+                f"{local_config}: not a valid model config ({first_line(exc)}); fix or "
                 "replace its config.json"
             ) from None
         hint = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise UserError(
             f"config key verifier.path: cannot load {path!r}{hint}; use a local model folder "
-            f"or a reachable hub id ({str(exc).splitlines()[0]})"
+            f"or a reachable hub id ({first_line(exc)})"
         ) from None
     return config, ships_code(config_dict) and trust_remote_code
 
@@ -189,8 +184,13 @@ def materialize(
     from eagle3lib import lm_weights
 
     lm = lm_weights.resolve(path, load_path, kind, config, trust_remote_code, allow_pickle)
-    # the jobs after this one tokenize with it: a broken tokenizer stops the run here
-    load_tokenizer({"path": path, "load_path": load_path, "trust_remote_code": trust_remote_code})
+    # the jobs after this one tokenize with its chat template: a broken one stops the run here
+    from eagle3lib.data import check_chat_template
+
+    tokenizer = load_tokenizer(
+        {"path": path, "load_path": load_path, "trust_remote_code": trust_remote_code}
+    )
+    check_chat_template(tokenizer, f"verifier {path!r}")
     config_sha256 = _config_sha256(config)
     return {
         "name": name or default_name(path),
@@ -306,7 +306,7 @@ def load_tokenizer(record: dict[str, Any]):
         )
     except (OSError, ValueError, TypeError, KeyError) as exc:  # JSONDecodeError: ValueError
         raise UserError(
-            f"verifier {record['path']!r}: its tokenizer does not load ({_first_line(exc)}); "
+            f"verifier {record['path']!r}: its tokenizer does not load ({first_line(exc)}); "
             "its folder needs the tokenizer files of its model (tokenizer.json or the files "
             "its tokenizer class reads, and tokenizer_config.json), intact"
         ) from None

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 from eagle3lib.fileio import atomic_path
 
 
@@ -85,7 +85,7 @@ def load(path: Path) -> dict[str, torch.Tensor]:
     try:
         tensors = load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         raise UserError(
             f"{path}: unreadable vocab map ({detail}); delete it and rerun the vocab rule"
         ) from None

@@ -52,7 +52,7 @@ def main() -> None:
         )
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
-    check_chat_template(tokenizer, str(a.train))
+    check_chat_template(tokenizer, f"verifier {record['path']!r}")
     conversations = rg.read_conversations(
         a.train,
         data["train"].get("max_samples"),

@@ -413,3 +413,12 @@ def test_prepared_samples_round_trip_and_shard_ranges(tokenizer, tmp_path):
     assert int(samples.token_freq.sum()) == prepared.summary["supervised_tokens"]
     ranges = [data.shard_range(7, i, 3) for i in range(3)]
     assert ranges == [(0, 2), (2, 4), (4, 7)]
+
+
+@pytest.mark.parametrize("name", ["a.json", "a.jsonl"])
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, name):
+    """Some editors start a UTF-8 file with U+FEFF; the records read the same without it."""
+    records = [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "ho"}]
+    text = json.dumps(records) if name.endswith(".json") else "\n".join(map(json.dumps, records))
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [r for _, r in conversations.read_records(tmp_path / name)] == records
