@@ -240,6 +240,38 @@ class EvaluateConfig:
         return [self.k] if isinstance(self.k, int) else list(self.k)
 
 
+def repeated_keys(path: str | Path) -> list[str]:
+    """Keys a YAML (or JSON) config file gives twice in one mapping, one line each: YAML keeps
+    only the last, so a second ``train:`` section silently replaces the first."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    found: list[tuple[int, str]] = []
+
+    def mapping(loader, node, deep=False):
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                found.append(
+                    (
+                        line,
+                        f"{path}:{line}: key {key!r} given twice in one section (first on line "
+                        f"{first[key]}); YAML keeps only the last: merge the two",
+                    )
+                )
+            first.setdefault(key, line)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    with open(path, encoding="utf-8") as fh:
+        yaml.load(fh, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return [message for _, message in sorted(found)]  # in the file's order
+
+
 def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     """Schema violations of ``config``, one line each, naming the key and what to do."""
     import jsonschema

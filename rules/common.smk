@@ -9,7 +9,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import acceptance_gate  # noqa: E402
-from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
+from eagle3lib.config import config_errors, repeated_keys, resolve_data_path  # noqa: E402
 from eagle3lib.config import synthetic_keys_left_out  # noqa: E402
 from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
@@ -37,6 +37,9 @@ def fail(message):
     sys.exit(1)
 
 
+for path in workflow.configfiles:
+    for problem in repeated_keys(path):
+        fail(problem)
 CONFIG_SCHEMA = "schemas/config.schema.yaml"
 for problem in config_errors(config, Path(workflow.basedir) / "rules" / CONFIG_SCHEMA):
     fail(problem)

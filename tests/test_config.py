@@ -16,6 +16,7 @@ from eagle3lib.config import (
     RegenerateConfig,
     TrainConfig,
     aux_layer_errors,
+    repeated_keys,
     resolve_aux_layers,
 )
 from eagle3lib.errors import UserError
@@ -149,3 +150,25 @@ def test_the_regenerate_rule_leaves_out_the_synthetic_keys_it_does_not_use():
     assert left_out(0, ["Write code."]) == every
     assert left_out(5, []) == left_out(5, [None, None]) == ("synthetic_system_prompts",)
     assert left_out(5, [None, "Write code."]) == ()
+
+
+def test_a_section_given_twice_in_a_config_file_stops_planning_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `train:` section would silently drop the
+    first one's settings, and a later error would blame a default. Planning stops at once, in
+    a real `snakemake -n`, naming the file and both lines; a file without repeats passes."""
+    from conftest import ROOT, run_snakemake
+
+    text = "run: t\ntrain:\n  epochs: 1\nevaluate: {k: 3, k: 4}\ntrain:\n  epochs: 2\n"
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    assert repeated_keys(config) == [
+        f"{config}:4: key 'k' given twice in one section (first on line 4); YAML keeps only "
+        "the last: merge the two",
+        f"{config}:5: key 'train' given twice in one section (first on line 2); YAML keeps "
+        "only the last: merge the two",
+    ]
+    proc = run_snakemake(tmp_path, config, "-n", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {repeated_keys(config)[0]}"
+    assert "Traceback" not in proc.stderr
+    assert repeated_keys(ROOT / "config.yaml") == []
