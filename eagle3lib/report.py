@@ -237,6 +237,9 @@ def gate_problems(gate: dict[str, dict[str, float]], acceptance: dict[str, Any])
 def problems_of(summary: dict[str, Any]) -> list[str]:
     """Everything that makes the build invalid, one line each."""
     problems = [f"checkpoint: {p}" for p in summary["checkpoint"]["problems"]]
+    valid = summary["checkpoint"].get("valid", True) and summary.get("checkpoint_valid", True)
+    if not valid and not problems:
+        problems.append("checkpoint: not valid, though no problem is recorded with it")
     problems += gpu_problems(summary["gpu_memory"])
     problems += vllm_problems(summary.get("vllm"), summary["acceptance"])
     problems += gate_problems(summary.get("min_acceptance_length") or {}, summary["acceptance"])
@@ -244,6 +247,13 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
         problems.append("acceptance: no verifier step was measured (raise evaluate.max_new_tokens)")
     for r in summary["acceptance"].get("results") or [summary["acceptance"]]:
         where = f"{r['eval_set']} k={r['k']}" if "eval_set" in r else f"k={r['k']}"
+        length = r.get("acceptance_length")
+        if length is not None and not 1 <= length <= 1 + r["k"]:
+            problems.append(
+                f"acceptance ({where}): acceptance length {fmt(length, 4)} is outside [1, "
+                f"{1 + r['k']}], which no decoding gives: acceptance.json was damaged or "
+                "edited; rerun evaluate (-R evaluate)"
+            )
         if r.get("text_matches_verifier") is False:  # None: replay, greedy by construction
             problems.append(
                 f"acceptance ({where}): {r['mismatched_prompts']} prompt(s) decoded "

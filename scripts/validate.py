@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 import _bootstrap  # noqa: F401
-from eagle3lib.errors import UserError, cli
+from eagle3lib.errors import UserError, cli, first_line
 from eagle3lib.fileio import atomic_path, read_json
 from eagle3lib.lifetime import hold_folders
-from eagle3lib.report import fmt
+from eagle3lib.report import fmt, problems_of
 
 
 @cli
@@ -19,12 +19,17 @@ def main() -> None:
     a = p.parse_args()
     hold_folders("validate", a.out)
     summary = read_json(a.summary)
-    if summary["problems"]:
-        for problem in summary["problems"]:
-            print(f"problem: {problem}", file=sys.stderr)
+    try:  # judged again from the summary's figures, not only from its list
+        problems = list(dict.fromkeys([*summary["problems"], *problems_of(summary)]))
+    except (KeyError, TypeError) as exc:
         raise UserError(
-            f"{a.summary}: {len(summary['problems'])} problem(s): {summary['problems'][0]}"
-        )
+            f"{a.summary}: not a summary the report job writes (no {first_line(exc)}); delete "
+            "it and rerun, snakemake makes it again"
+        ) from None
+    if problems:
+        for problem in problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        raise UserError(f"{a.summary}: {len(problems)} problem(s): {problems[0]}")
     with atomic_path(a.out) as tmp:
         tmp.write_text(
             f"valid: acceptance_length={fmt(summary['acceptance_length'], 4)} k={summary['k']} "

@@ -661,3 +661,29 @@ def test_a_damaged_json_file_of_the_workflow_stops_with_one_line(
     assert line.startswith(f"error: {summary}: not valid JSON (")
     assert line.endswith("delete it and rerun, snakemake makes it again")
     assert not out.exists()
+
+
+def test_validate_judges_the_summary_again_not_only_its_list_of_problems(
+    tmp_path, capfd, monkeypatch
+):
+    """A summary.json that lists no problem but holds an impossible acceptance length (edited
+    by hand) fails validate; one that is not the report job's (a key missing) says so."""
+    from test_report import summary
+
+    path, out = tmp_path / "summary.json", tmp_path / "validation.txt"
+    edited = {**summary(), "problems": [], "acceptance_length": 0.5, "k": 3}
+    edited["acceptance"] = {**edited["acceptance"], "results": [], "acceptance_length": 0.5}
+    path.write_text(json.dumps(edited))
+    err = run_main("validate", ["--summary", path, "--out", out], capfd, monkeypatch)
+    assert one_error_line(err) == (
+        f"error: {path}: 1 problem(s): acceptance (mtbench k=3): acceptance length 0.5000 is "
+        "outside [1, 4], which no decoding gives: acceptance.json was damaged or edited; rerun "
+        "evaluate (-R evaluate)"
+    )
+    path.write_text(json.dumps({"problems": []}))
+    err = run_main("validate", ["--summary", path, "--out", out], capfd, monkeypatch)
+    assert one_error_line(err) == (
+        f"error: {path}: not a summary the report job writes (no 'checkpoint'); delete it and "
+        "rerun, snakemake makes it again"
+    )
+    assert not out.exists()

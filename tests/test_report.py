@@ -67,6 +67,25 @@ def test_the_gate_names_the_set_k_and_both_numbers():
     assert problem.startswith("acceptance (humaneval k=5): not measured")
 
 
+@pytest.mark.parametrize("length", [0.5, 4.2])
+def test_an_acceptance_length_no_decoding_gives_is_a_problem(length):
+    """At k = 3 an acceptance length lies in [1, 4]; outside, the record was damaged or edited."""
+    offline = offline_record()
+    offline["results"][2]["acceptance_length"] = length
+    assert report.problems_of(summary(offline=offline)) == [
+        f"acceptance (humaneval k=3): acceptance length {length:.4f} is outside [1, 4], which "
+        "no decoding gives: acceptance.json was damaged or edited; rerun evaluate (-R evaluate)"
+    ]
+    offline["results"][2]["acceptance_length"] = 4.0  # every draft token accepted: possible
+    assert report.problems_of(summary(offline=offline)) == []
+
+
+def test_a_checkpoint_marked_invalid_is_a_problem_even_without_one_named():
+    s = summary()
+    s["checkpoint_valid"] = False
+    assert report.problems_of(s) == ["checkpoint: not valid, though no problem is recorded with it"]
+
+
 def test_the_tolerances_pass_small_differences_and_catch_the_next_step():
     """3 % of the acceptance length and 0.05 of a position's rate: a vLLM run 2.9 % lower and
     0.049 lower at one position is valid; 3.1 % or 0.051 is not."""
