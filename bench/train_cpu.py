@@ -22,7 +22,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,11 +52,6 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 1.5) -> float:
         return 2 * 576 * 576 * 8192 * n / (time.perf_counter() - t0) / 1e9
     finally:
         torch.set_num_threads(threads)
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((x.split(":", 1)[1].strip() for x in out.splitlines() if "Model name" in x), "?")
 
 
 def run_variant(
@@ -108,7 +102,7 @@ def main() -> None:
         k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ
     }
     out = {
-        "cpu": cpu_model(),
+        "cpu": precision.cpu_model(),
         "env": " ".join(f"{k}={v}" for k, v in emulated.items()) or "none",
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": precision.cpu_native_bf16(),

@@ -69,6 +69,18 @@ def cpu_native_bf16() -> bool:
     )
 
 
+def cpu_model() -> str:
+    """The CPU's model name as lscpu prints it (from /proc/cpuinfo), else the platform's name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def bf16_is_slow(device: torch.device | str) -> bool:
     """bf16 compute on ``device`` would fall back to slow kernels (a CPU without bf16)."""
     return torch.device(device).type == "cpu" and not cpu_native_bf16()

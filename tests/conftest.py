@@ -36,23 +36,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
 
 
-def cpu_model() -> str:
-    """The CPU's model name as lscpu prints it (from /proc/cpuinfo), or the platform's name."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def pytest_terminal_summary(terminalreporter) -> None:
     """The CPU this run's test times were measured on, and whether torch computes bf16 on it
     natively (without, the CPU path computes in fp32: eagle3lib.precision)."""
-    from eagle3lib.precision import cpu_native_bf16
+    from eagle3lib.precision import cpu_model, cpu_native_bf16
 
     bf16 = "yes" if cpu_native_bf16() else "no (fp32 on the CPU path)"
     terminalreporter.write_line(
