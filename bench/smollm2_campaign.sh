@@ -44,9 +44,12 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #     CONFIGS="configs/smollm2-gpu.yaml configs/overlays/regen-all.yaml" bench/smollm2_campaign.sh start
 # A build that did not finish in one session's device time can start from the regenerated
 # conversations its wait calls brought back (regenerated.jsonl.gz.part-NN and .sha256): put them
-# in .xfer-regen/, carry it, then
-#   bench/smollm2_campaign.sh unpack-regenerated
+# in .xfer-regen/ and carry it, or commit them in bench/conversations/<name>/ (they travel with
+# the working tree and outlive the session), then
+#   bench/smollm2_campaign.sh unpack-regenerated [bench/conversations/<name>]
 #   REGENERATED=/tmp/regenerated.jsonl.gz SIDE=after ... bench/smollm2_campaign.sh start
+# start-regenerate runs the build only up to those conversations (then wait, as above): one
+# session regenerates, a later one trains on them.
 # (regeneration off, data.train.path that file: prepare, extract and what follows run as before).
 # With synthetic prompts (regenerate.synthetic_prompts) added to those conversations: a build of
 # its own samples and answers N prompts (regeneration of one ShareGPT conversation plus them),
@@ -108,11 +111,13 @@ launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
 }
 
 case "${1:-}" in
-unpack-regenerated) # what wait brought back, carried in .xfer-regen/: for each NAME.sha256
-  # there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...)
-  for sum in .xfer-regen/*.sha256; do
+unpack-regenerated) # [DIR] what wait brought back, in DIR (default .xfer-regen/, carried; or a
+  # tracked folder such as bench/conversations/, which travels with the working tree): for each
+  # NAME.sha256 there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...)
+  dir=${2:-.xfer-regen}
+  for sum in "$dir"/*.sha256; do
     name=$(basename "$sum" .sha256)
-    cat ".xfer-regen/$name.jsonl.gz.part-"* >"/tmp/$name.jsonl.gz"
+    cat "$dir/$name.jsonl.gz.part-"* >"/tmp/$name.jsonl.gz"
     (cd /tmp && sha256sum -c "$OLDPWD/$sum")
   done
   ;;
@@ -157,6 +162,19 @@ start)
   ;;
 start-parity)
   launch run-parity "${2:?seed}"
+  ;;
+start-regenerate) # the build up to its regenerated conversations only (wait brings them
+  # back): a session whose device time holds regeneration but not the whole build
+  launch run-regenerate
+  ;;
+run-regenerate)
+  echo "$(date +%T) regenerate: start" >>"$C/status"
+  rc=0
+  # shellcheck disable=SC2086
+  python3 -m snakemake "$R/regenerated/conversations.jsonl" --configfile $CONFIGS "$C/noserve.yaml" \
+    --cores "$(nproc)" --resources gpu="$GPUS" >"$C/snakemake.log" 2>&1 || rc=$?
+  echo "$(date +%T) regenerate: exit $rc" >>"$C/status"
+  touch "$C/done"
   ;;
 start-synthetic)
   test -n "${REGENERATED:-}" || {
@@ -260,7 +278,7 @@ wait)
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | wait [SECONDS] | unpack-regenerated | merge BASE SYNTHETIC OUT [TAG]" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG]" >&2
   exit 2
   ;;
 esac

@@ -276,6 +276,11 @@ def data_summary(prepare: dict[str, Any], acceptance: dict[str, Any]) -> dict[st
     overlap = dict(prepare["eval_overlap"])
     counts = overlap.pop("dropped_per_eval_file")
     names = list(dict.fromkeys(r["eval_set"] for r in acceptance["results"]))
+    if len(names) != len(counts):
+        raise ValueError(
+            f"prepare counted overlaps with {len(counts)} eval file(s), evaluate ran "
+            f"{len(names)} eval set(s)"
+        )
     overlap["dropped_per_eval_set"] = dict(zip(names, counts, strict=True))
     return {**prepare, "eval_overlap": overlap}
 

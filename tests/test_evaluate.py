@@ -1,3 +1,4 @@
+import math
 from pathlib import Path
 
 import pytest
@@ -219,7 +220,10 @@ def test_speculative_output_equals_greedy_decoding(draft, verifier_model, tokeni
     assert result["prompts"] == 3 and result["k"] == 3
     assert len(result["per_position_acceptance"]) == 3
     pp = result["per_position_acceptance"]
-    assert pp[0] >= pp[1] >= pp[2]
+    assert pp[0] > 0  # some drafts accepted: the accepting path ran
+    # per position: the share of steps accepting past it, so they add up to the accepted tokens
+    assert result["steps"] == sum(r["steps"] for r in result["per_prompt"])
+    assert math.isclose(sum(pp) * result["steps"], result["accepted_tokens"])
     decode_accounting(result, 3)
 
 
@@ -250,21 +254,25 @@ def test_acceptance_accounting_with_an_oracle_draft(verifier_model, tokenizer):
     assert result["tokens"] == reference
 
 
-def test_aux_states_during_decoding_equal_a_full_forward(verifier_model, tokenizer):
-    """The verifier states fed to the draft while decoding with a KV cache equal a fresh forward."""
+@pytest.mark.parametrize("accepting", [False, True])
+def test_aux_states_during_decoding_equal_a_full_forward(verifier_model, tokenizer, accepting):
+    """The verifier states fed to the draft while decoding with a KV cache equal a fresh forward,
+    after steps whose proposals were all rejected and after steps that accepted them all (the
+    states of accepted tokens come from the verification pass)."""
     seen = []
 
-    class Recorder:
-        dtype = torch.float32
-
+    class Recorder(OracleDrafter):
         def propose(self, aux, tokens, k):
             seen.append((aux.clone(), tokens.clone()))
-            return [0] * k
+            return super().propose(aux, tokens, k) if accepting else [0] * k
 
     capture = Capture(decoder_layers(verifier_model), AUX)
     try:
         prompt = prompts(tokenizer, 1)[0]["token_ids"]
-        evaluate.speculative_decode(verifier_model, capture, Recorder(), prompt, 2, 8, set())
+        result = evaluate.speculative_decode(
+            verifier_model, capture, Recorder(verifier_model), prompt, 2, 8, set()
+        )
+        assert set(result["accepted"]) == ({2} if accepting else {0})
         aux, tokens = seen[-1]
         [ref] = forward_states(
             verifier_model.get_decoder(), capture, [tokens[:-1].numpy()], torch.device("cpu")

@@ -200,8 +200,15 @@ def test_a_job_not_started_to_share_takes_no_turn(tmp_path):
             assert waited < 0.01
     finally:
         os.close(fd)
-    with gpu.turn({gpu.TURN_ENV: str(lock)}) as waited:  # free again: no wait
-        assert waited < 1.0
+    other = os.open(lock, os.O_RDWR)
+    try:
+        with gpu.turn({gpu.TURN_ENV: str(lock)}) as waited:  # free again: no wait
+            assert waited < 1.0
+            with pytest.raises(BlockingIOError):  # the turn is held while in the block
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and given back after it
+    finally:
+        os.close(other)
 
 
 def test_a_shared_jobs_record_names_no_leak_from_the_other_jobs_memory():

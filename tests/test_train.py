@@ -26,7 +26,8 @@ def test_training_runs_and_records_loss_curves(pipeline):
 def test_dataset_serves_speculators_contract_from_shards(pipeline):
     shards = [open_shard(p) for p in pipeline["shards"]]
     train_pairs, val_pairs = train_data.split_indices(shards, 0.1)
-    assert len(val_pairs) == 4 and train_pairs[-1] != val_pairs[0]
+    every = [(s, i) for s, shard in enumerate(shards) for i in range(len(shard))]
+    assert train_pairs == every[:-4] and val_pairs == every[-4:]  # the last tenth, disjoint
     ds = train_data.ShardDataset(pipeline["shards"], train_pairs, 256, torch.float32)
     item = ds[3]
     s, i = train_pairs[3]
@@ -34,7 +35,8 @@ def test_dataset_serves_speculators_contract_from_shards(pipeline):
     n = raw["input_ids"].shape[0]
     assert item["hidden_states"].shape == (n, 3 * 64)
     assert item["verifier_last_hidden_states"].shape == (n, 64)
-    torch.testing.assert_close(item["hidden_states"][:, 64:128], raw["hidden_states"][:, 1].float())
+    # the three aux slots in order, side by side (speculators' layout)
+    assert torch.equal(item["hidden_states"], raw["hidden_states"][:, :3].float().flatten(1))
     torch.testing.assert_close(
         item["verifier_last_hidden_states"], raw["hidden_states"][:, 3].float()
     )
@@ -47,8 +49,9 @@ def test_rejected_samples_are_not_trained_on(pipeline):
     shards[0].valid = shards[0].valid.copy()
     shards[0].valid[1] = 0
     train_pairs, val_pairs = train_data.split_indices(shards, 0.1)
-    assert (0, 1) not in train_pairs + val_pairs
-    assert len(train_pairs) + len(val_pairs) == 39
+    kept = [(s, i) for s, shard in enumerate(shards) for i in range(len(shard)) if (s, i) != (0, 1)]
+    assert len(kept) == 39 and train_pairs + val_pairs == kept
+    assert val_pairs == kept[-4:] and not set(train_pairs) & set(val_pairs)
 
 
 def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
@@ -139,7 +142,7 @@ def test_streaming_trainer_trains_exactly_like_speculators_trainer(pipeline, tmp
 
 def test_max_relative_difference():
     assert train.max_relative_difference([2.0, 4.0], [2.0, 3.0, 9.0]) == 0.25
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no common steps to compare"):
         train.max_relative_difference([], [1.0])
 
 

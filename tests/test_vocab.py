@@ -56,10 +56,19 @@ def test_invariant_checks_catch_broken_maps():
     vocab.check(d2t, t2d, 4, 20)
     broken = t2d.clone()
     broken[19] = True
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="t2d marks 5 tokens, expected 4"):
         vocab.check(d2t, broken, 4, 20)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="increasing, in-range"):
         vocab.check(d2t.flip(0), t2d, 4, 20)
+    moved = t2d.clone()  # the right count, another id: t2d no longer what d2t maps to
+    last = int(torch.nonzero(t2d).flatten()[-1])
+    moved[last], moved[last + 1] = False, True
+    with pytest.raises(ValueError, match="d2t and t2d disagree"):
+        vocab.check(d2t, moved, 4, 20)
+    with pytest.raises(ValueError, match=r"d2t has 4 entries \(expected 5\)"):
+        vocab.check(d2t, t2d, 5, 20)
+    with pytest.raises(ValueError, match="expected int64/bool"):
+        vocab.check(d2t.int(), t2d, 4, 20)
 
 
 def test_save_load_round_trip(tmp_path):
