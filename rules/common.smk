@@ -27,7 +27,6 @@ from eagle3lib.verifier_files import (
     local_path_problem,
 )  # noqa: E402
 
-
 # Jobs run `python`: this one, unless --sdm conda activates theirs (eagle3lib/lifetime.py).
 interpreter_first_on_path()
 
