@@ -3,9 +3,11 @@
     make demo   # or: snakemake ... results/demo/hidden_states/shard-{0,1}.safetensors
                 #                   results/demo/vocab/vocab_map.safetensors
     python bench/train_cpu.py --steps 8
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/train_cpu.py --steps 8
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python bench/train_cpu.py --steps 8
 
-The last command emulates a CPU without bf16 instructions (AVX2 kernels only). Both variants
+The last command emulates a CPU without bf16 instructions (AVX2 kernels only: ATen's, oneDNN's
+and MKL's, whose GEMM torch's fp32 matrix products use). Both variants
 run eagle3lib.train.train on the demo's shards, vocab map and train section (config.yaml),
 stopped after --steps steps; they differ only in the Muon optimiser: `bf16_muon` is
 torch.optim.Muon as speculators builds it, `fp32_muon` is eagle3lib.precision.Fp32Muon.
