@@ -114,11 +114,11 @@ case "${1:-}" in
 unpack-regenerated) # [DIR] what wait brought back, in DIR (default .xfer-regen/, carried; or a
   # tracked folder such as bench/conversations/, which travels with the working tree): for each
   # NAME.sha256 there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...)
-  dir=${2:-.xfer-regen}
+  dir=$(cd "${2:-.xfer-regen}" && pwd)
   for sum in "$dir"/*.sha256; do
     name=$(basename "$sum" .sha256)
     cat "$dir/$name.jsonl.gz.part-"* >"/tmp/$name.jsonl.gz"
-    (cd /tmp && sha256sum -c "$OLDPWD/$sum")
+    (cd /tmp && sha256sum -c "$sum")
   done
   ;;
 merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a prompts build's
