@@ -317,22 +317,34 @@ def _extract_sharing_problems(config: dict[str, Any]) -> list[str]:
 
 def setting_warnings(config: dict[str, Any]) -> list[str]:
     """Settings that run but cost acceptance, one line each (printed at planning, not fatal):
-    the verifier extracting in one dtype (either backend resolves extract.dtype alike) and
-    evaluating in another. The draft then learns the one verifier's states and argmax and is
-    measured against the other's, which differ (for SmolLM2-135M-Instruct, bf16 against fp32:
-    BENCHMARKS.md, bench/acceptance_gap.py dtype)."""
-    extract, evaluate = config["extract"], config["evaluate"]
+
+    - the verifier extracting in one dtype (either backend resolves extract.dtype alike) and
+      evaluating in another. The draft then learns the one verifier's states and argmax and is
+      measured against the other's, which differ (for SmolLM2-135M-Instruct, bf16 against
+      fp32: BENCHMARKS.md, bench/acceptance_gap.py dtype);
+    - packs shorter than the samples: speculators' packing cuts a sample longer than
+      train.total_seq_len to that length, so the rest of it is never trained on."""
+    warnings = []
+    extract, evaluate, train = config["extract"], config["evaluate"], config["train"]
     train_dtype = forward_dtype(extract["dtype"], extract["gpus_per_job"] > 0)
     eval_dtype = forward_dtype(evaluate["dtype"], evaluate["gpus"] > 0)
-    if train_dtype == eval_dtype:
-        return []
-    return [
-        f"config keys extract.dtype ({extract['dtype']}) and evaluate.dtype "
-        f"({evaluate['dtype']}): the verifier's states are extracted in {train_dtype} but "
-        f"acceptance is measured with it in {eval_dtype}, so the draft is measured against "
-        "a verifier it did not learn from (auto is bfloat16 on a GPU, float32 on a CPU); "
-        "set both to the same dtype"
-    ]
+    if train_dtype != eval_dtype:
+        warnings.append(
+            f"config keys extract.dtype ({extract['dtype']}) and evaluate.dtype "
+            f"({evaluate['dtype']}): the verifier's states are extracted in {train_dtype} but "
+            f"acceptance is measured with it in {eval_dtype}, so the draft is measured against "
+            "a verifier it did not learn from (auto is bfloat16 on a GPU, float32 on a CPU); "
+            "set both to the same dtype"
+        )
+    max_length = config["data"]["max_length"]
+    if train["total_seq_len"] < max_length:
+        warnings.append(
+            f"config keys train.total_seq_len ({train['total_seq_len']}) and data.max_length "
+            f"({max_length}): a sample longer than a pack is cut to train.total_seq_len, and "
+            "the rest of it is never trained on; raise train.total_seq_len to at least "
+            "data.max_length"
+        )
+    return warnings
 
 
 # -- against the verifier (a fact it does not know is not checked)

@@ -112,6 +112,25 @@ def test_dtype_warning_resolves_auto_by_each_jobs_device():
     assert "extracted in bfloat16 but acceptance is measured with it in float32" in line
 
 
+def test_packs_shorter_than_the_samples_are_warned_about():
+    """A sample longer than train.total_seq_len is cut to it by speculators' packing: planning
+    warns, naming both keys; packs at least data.max_length long do not."""
+    from snakemake.utils import update_config, validate
+
+    from eagle3lib.preflight import setting_warnings
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    update_config(config, {"data": {"max_length": 2048}})
+    validate(config, schema=str(ROOT / "rules" / "schemas" / "config.schema.yaml"))
+    assert setting_warnings(config) == [
+        "config keys train.total_seq_len (1024) and data.max_length (2048): a sample longer "
+        "than a pack is cut to train.total_seq_len, and the rest of it is never trained on; "
+        "raise train.total_seq_len to at least data.max_length"
+    ]
+    config["train"]["total_seq_len"] = 2048
+    assert setting_warnings(config) == []
+
+
 @pytest.mark.slow
 def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
     """configs/smollm2-gpu.yaml end to end on the CPU, cut by configs/overlays/cpu-slice.yaml:
