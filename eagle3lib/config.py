@@ -52,6 +52,11 @@ def resolve_data_path(spec: str, key: str) -> Path:
             f"config key {key}: {spec!r} is a folder, not a file; point {key} at a JSON or "
             "JSONL file"
         )
+    if path.exists() and not path.is_file():  # a FIFO, a socket, a device
+        raise UserError(
+            f"config key {key}: {spec!r} is not a regular file (jobs read it more than once); "
+            "point it at a JSON or JSONL file"
+        )
     if not path.is_file():
         raise UserError(
             f"config key {key}: file {spec!r} does not exist; fix the path (relative paths "

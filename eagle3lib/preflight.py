@@ -361,6 +361,11 @@ def _aux_layer_problems(config: dict[str, Any], facts: VerifierFacts) -> list[st
     if layers is None:
         return []
     where = _where(facts)
+    if layers < 1:  # no decoder layer: no hidden states to train a draft on
+        return [
+            f"the verifier has num_hidden_layers {layers} {where}; a draft learns from its "
+            "decoder layers' states: fix num_hidden_layers in its config, or use another model"
+        ]
     return [f"{e} {where}" for e in aux_layer_errors(config["extract"]["aux_layers"], layers)]
 
 

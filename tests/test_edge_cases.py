@@ -219,6 +219,11 @@ def _train_folder(env):
     env.config["data"]["train"]["path"] = str(env.dir / "conversations")
 
 
+def _eval_fifo(env):
+    os.mkfifo(env.dir / "prompts.fifo")  # reading it would block until a writer came
+    env.config["data"]["eval"]["path"] = str(env.dir / "prompts.fifo")
+
+
 def _shards_for_prepared(env):
     env.set("extract.shards", 4)
     env.samples = 3
@@ -335,6 +340,8 @@ CASES = [
     Case("aux-layer-beyond-the-verifier", _set(extract__aux_layers=[2, 4, 8]),
          "config key extract.aux_layers: layer id(s) [8] out of range [0, 7]",
          "use ids from 0 to 7"),
+    Case("verifier-without-decoder-layers", _config_field(num_hidden_layers=0),
+         "the verifier has num_hidden_layers 0", "fix num_hidden_layers in its config"),
     Case("default-aux-layers-of-a-2-layer-verifier", _config_field(num_hidden_layers=2),
          "config key extract.aux_layers: the default [2, 1, -1] is invalid",
          "set extract.aux_layers to distinct ids in [0, 1]"),
@@ -417,6 +424,9 @@ CASES = [
     Case("train-path-is-a-folder", _train_folder,
          "config key data.train.path: '{dir}/conversations' is a folder, not a file",
          "point data.train.path at a JSON or JSONL file"),
+    Case("eval-path-is-a-fifo", _eval_fifo,
+         "config key data.eval.path: '{dir}/prompts.fifo' is not a regular file",
+         "point it at a JSON or JSONL file"),
 ]  # fmt: skip
 
 
