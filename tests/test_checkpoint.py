@@ -87,3 +87,11 @@ def test_model_card_has_the_vllm_command(pipeline):
     )
     assert "vllm serve tiny-llama --speculative-config" in card
     assert '"method": "eagle3"' in card and '"num_speculative_tokens": 3' in card
+    assert "set `VLLM_CPU_KVCACHE_SPACE`" in card and "reports/summary.md" in card
+    # a local folder named by its folder's name: the card says what to give vllm serve
+    local = {**pipeline["record"], "kind": "local", "path": "/models/tiny-llama"}
+    assert "`tiny-llama` is the verifier folder's name" in checkpoint.model_card(config, local, {})
+    named = {**local, "name": "org/tiny-llama"}
+    assert "folder's name" not in checkpoint.model_card(config, named, {})
+    gguf = {**local, "kind": "gguf", "gguf": {"file": "tiny.Q4_1.gguf"}, "name": "org/tiny"}
+    assert "The hidden states came from `tiny.Q4_1.gguf`" in checkpoint.model_card(config, gguf, {})

@@ -229,6 +229,10 @@ def test_vllm_gets_trust_remote_code_only_from_the_verifier_config():
     assert serve.engine_args({}, trust_remote_code=True)[0] == "--trust-remote-code"
     assert "--trust-remote-code" in serve.serve_command("m", "ckpt", 3, trust_remote_code=True)
     assert "--trust-remote-code" not in serve.serve_command("m", "ckpt", 3)
+    assert serve.serve_command("m", "ckpt", 3).startswith("vllm serve m ")  # a GPU: as it is
+    assert serve.serve_command("m", "ckpt", 3, cpu_kvcache_gib="4").startswith(
+        "VLLM_CPU_KVCACHE_SPACE=4 vllm serve m "
+    )
 
 
 def test_only_serve_py_starts_vllm_servers():
