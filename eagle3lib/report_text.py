@@ -36,6 +36,23 @@ def validation_accuracy(training: dict[str, Any]) -> list[float]:
     return [val[f"full_acc_{j}_epoch"] for j in steps]
 
 
+def truncated_note(data: dict[str, Any]) -> str:
+    """How many kept samples data.max_length cut (data.truncation: truncate)."""
+    return f" ({data['truncated']} cut to data.max_length)" if data.get("truncated") else ""
+
+
+def training_row(training: dict[str, Any]) -> list[str]:
+    """The train job's split and setting, as its summary has them."""
+    if "train_samples" not in training:
+        return []
+    optimizers = " and ".join(training.get("optimizers") or []) or "?"
+    return [
+        f"| training | {training.get('epochs', '?')} epochs on {training['train_samples']} "
+        f"samples ({training.get('val_samples', 0)} held out for validation), {optimizers}, "
+        f"{training.get('dtype', '?')} on {training.get('device', '?')} |"
+    ]
+
+
 def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
     """[eval set, k, acceptance length, per-position acceptance, per-token accuracy, share of
     generated tokens outside the draft's vocabulary, prompts, steps] per result."""
@@ -99,7 +116,8 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         "",
         "| result | value |",
         "|---|---|",
-        f"| valid | {'yes' if summary['valid'] else 'NO'} |",
+        f"| valid | {'yes' if summary['valid'] else 'NO'}"
+        f"{'' if summary.get('min_acceptance_length') else ' (no acceptance gate set)'} |",
         f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
         f"| per-position acceptance | {positions(summary['per_position_acceptance'])} |",
         f"| draft accuracy per token of the eval text, teacher-forced (per TTT step) | "
@@ -109,7 +127,9 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         f"| prompts / verifier steps | {acc['prompts']} / {acc['steps']} |",
         f"| text equals verifier-only greedy | {text_check(summary)} |",
         f"| checkpoint valid | {summary['checkpoint_valid']} |",
-        f"| training samples kept / dropped | {data['samples']} / {sum(data['dropped'].values())} |",
+        f"| training samples kept / dropped | {data['samples']} / {sum(data['dropped'].values())}"
+        f"{truncated_note(data)} |",
+        *training_row(summary["training"]),
         *overlap_row(data),
         f"| hidden-state tokens / bytes | {hidden['tokens']} / {hidden['bytes']:,} |",
         f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",

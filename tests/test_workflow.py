@@ -125,6 +125,13 @@ def test_first_run_builds_checkpoint_and_report(ws):
     ) in markdown
     assert summary["min_acceptance_length"] == {}
     assert summary["valid"] is True and summary["problems"] == []
+    assert "| valid | yes (no acceptance gate set) |" in markdown
+    t = summary["training"]
+    assert t["train_samples"] + t["val_samples"] == 30 and t["val_samples"] >= 1
+    assert (
+        f"| training | {t['epochs']} epochs on {t['train_samples']} samples ({t['val_samples']} "
+        f"held out for validation), {' and '.join(t['optimizers'])}, float32 on cpu |"
+    ) in markdown
     assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
     for png in ("acceptance.png", "loss.png"):
         assert (ws.results / "reports" / png).read_bytes()[:4] == b"\x89PNG"
