@@ -47,6 +47,13 @@ from eagle3lib.config import RegenerateConfig  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# One decoding step's attention as regen-all runs it (batch 1024) and at a quarter of that, each
+# dtype: (dtype, batch, cache positions).
+STEP_GRID = [
+    (dtype, batch, 1280) for dtype in (torch.bfloat16, torch.float32) for batch in (1024, 256)
+]
+
+
 def model_of_smollm2_shape(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,22 +183,21 @@ def kernels(args) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     keys = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for batch, length in ((1024, 1280), (256, 1280)):
-            rows = decode_kernels(batch, length, dtype)
-            base = rows[0][1]
-            name = str(dtype).split(".")[-1]
-            for kernel, ms, diff in rows:
-                if ms is None:
-                    print(f"| {name} | {batch} | {length} | {kernel} | refused | | |", flush=True)
-                    continue
-                print(
-                    f"| {name} | {batch} | {length} | {kernel} | {ms:.3f} | {diff:.2e} | "
-                    f"{base / ms:.2f} x |",
-                    flush=True,
-                )
-                slug = kernel.split(" (")[0].replace("'", "").replace(",", "").replace(" ", "_")
-                keys.append(f"decode_attention.{name}.b{batch}.{slug}_ms = {ms:.3f}")
+    for dtype, batch, length in STEP_GRID:
+        rows = decode_kernels(batch, length, dtype)
+        base = rows[0][1]
+        name = str(dtype).split(".")[-1]
+        for kernel, ms, diff in rows:
+            if ms is None:
+                print(f"| {name} | {batch} | {length} | {kernel} | refused | | |", flush=True)
+                continue
+            print(
+                f"| {name} | {batch} | {length} | {kernel} | {ms:.3f} | {diff:.2e} | "
+                f"{base / ms:.2f} x |",
+                flush=True,
+            )
+            slug = kernel.split(" (")[0].replace("'", "").replace(",", "").replace(" ", "_")
+            keys.append(f"decode_attention.{name}.b{batch}.{slug}_ms = {ms:.3f}")
     print("\n".join(keys))
 
 
@@ -242,19 +248,18 @@ def check(args) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     keys = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for batch, length in ((1024, 1280), (256, 1280)):
-            r = attention_step(batch, length, dtype)
-            name = str(dtype).split(".")[-1]
-            print(
-                f"| {name} | {batch} | {length} | {r['max_abs_diff']:.2e} | {r['equal_share']:.4f} | "
-                f"{r['hf_ms']:.3f} | {r['grouped_ms']:.3f} | {r['hf_ms'] / r['grouped_ms']:.2f} |",
-                flush=True,
-            )
-            keys.append(
-                f"decode_attention.{name}.b{batch}.speedup = {r['hf_ms'] / r['grouped_ms']:.2f}"
-            )
-            keys.append(f"decode_attention.{name}.b{batch}.max_abs_diff = {r['max_abs_diff']:.3g}")
+    for dtype, batch, length in STEP_GRID:
+        r = attention_step(batch, length, dtype)
+        name = str(dtype).split(".")[-1]
+        print(
+            f"| {name} | {batch} | {length} | {r['max_abs_diff']:.2e} | {r['equal_share']:.4f} | "
+            f"{r['hf_ms']:.3f} | {r['grouped_ms']:.3f} | {r['hf_ms'] / r['grouped_ms']:.2f} |",
+            flush=True,
+        )
+        keys.append(
+            f"decode_attention.{name}.b{batch}.speedup = {r['hf_ms'] / r['grouped_ms']:.2f}"
+        )
+        keys.append(f"decode_attention.{name}.b{batch}.max_abs_diff = {r['max_abs_diff']:.3g}")
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     for dtype in (torch.bfloat16, torch.float32):
         model = model_of_smollm2_shape(dtype)

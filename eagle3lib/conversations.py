@@ -255,23 +255,24 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
     return prompts
 
 
+def _wrong_type(path: Path, lineno: int, key: str, value: Any, want: str) -> UserError:
+    return UserError(
+        f"{path}:{lineno}: '{key}' is {json.dumps(value)[:40]}, not {want}; fix or remove the line"
+    )
+
+
 def _prompt_text(path: Path, lineno: int, record: dict[str, Any]) -> Any:
     """A prompt record's prompt: its first turn, its prompt, or its first user turn."""
-    for key, want in (
-        ("turns", "a list of strings, the first one the prompt"),
-        ("prompt", "a string"),
-    ):
-        value = record.get(key)
-        if value is None:
-            continue
-        if key == "turns" and isinstance(value, list) and value and isinstance(value[0], str):
-            return value[0]
-        if key == "prompt" and isinstance(value, str):
-            return value
-        raise UserError(
-            f"{path}:{lineno}: '{key}' is {json.dumps(value)[:40]}, not {want}; fix or "
-            "remove the line"
-        )
+    turns, prompt = record.get("turns"), record.get("prompt")
+    if turns is not None:
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            return turns[0]
+        want = "a list of strings, the first one the prompt"
+        raise _wrong_type(path, lineno, "turns", turns, want)
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return prompt
+        raise _wrong_type(path, lineno, "prompt", prompt, "a string")
     try:
         messages = normalize_conversation(record)
     except InvalidRecord as exc:
