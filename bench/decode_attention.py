@@ -17,8 +17,10 @@ GPU (or the CPU, slowly).
                                                # attentions, bf16 and fp32: tokens compared
     python3 bench/decode_attention.py speed    # hf_generate as the regen-all job runs it
                                                # (regenerate.compile, batch 1024, prompts
-                                               # left-padded to 1024 tokens, 256 new), both
-                                               # attentions, rounds interleaved
+                                               # left-padded to 1024 tokens, 256 new):
+                                               # transformers' sdpa, the folded heads and
+                                               # what regeneration runs (cuDNN's whole step
+                                               # where it takes it), rounds interleaved
 
 Prints a table and ``key = value`` lines.
 """
@@ -218,8 +220,23 @@ def prompts_of(batch: int, width: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def folded():
+    """hf_generate with the grouped attention's folded heads, also where cuDNN would take the
+    step whole (cudnn_grouped_decoding answering no)."""
+    probe = rg.cudnn_grouped_decoding
+    rg.cudnn_grouped_decoding = lambda *args: False
+    try:
+        yield
+    finally:
+        rg.cudnn_grouped_decoding = probe
+
+
 def run(variant: str, generate, prompts) -> tuple[float, list[list[int]]]:
-    with hf_sdpa() if variant == "hf" else contextlib.nullcontext():
+    """variant: hf (transformers' sdpa), folded, or grouped (what regeneration runs: cuDNN's
+    whole step where cudnn_grouped_decoding says so, else folded)."""
+    context = {"hf": hf_sdpa, "folded": folded}.get(variant, contextlib.nullcontext)
+    with context():
         synchronize()
         t = time.perf_counter()
         out = generate(prompts)
@@ -343,8 +360,11 @@ def speed(args) -> None:
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=args.batch, compile=DEVICE == "cuda")
     rows, keys, outs = [], [], {}
+    cudnn = rg.cudnn_grouped_decoding(DEVICE, torch.bfloat16, 3, 64)
+    print(f"cuDNN takes a bf16 decoding step whole here: {'yes' if cudnn else 'no'}")
+    order = ["hf", "folded", "grouped"]
     for rnd in range(args.rounds):
-        for variant in ("hf", "grouped") if rnd % 2 == 0 else ("grouped", "hf"):
+        for variant in order[rnd % 3 :] + order[: rnd % 3]:  # each first in turn
             torch._dynamo.reset()  # each variant compiles its own decoding, as a job would
             generate = rg.hf_generate(model, tokenizer, cfg, prompt_width=args.width)
             first, _ = run(variant, generate, prompts_of(args.batch, args.width, 10 + rnd))
@@ -356,20 +376,27 @@ def speed(args) -> None:
                 f"| {rnd + 1} | {variant} | {first:.1f} | {again:.2f} | {tokens / again:,.0f} |",
                 flush=True,
             )
-    same, prefix = agreement(outs["hf"], outs["grouped"])
     hf = [r[3] for r in rows if r[1] == "hf"]
-    grouped = [r[3] for r in rows if r[1] == "grouped"]
     print(
         f"batch {args.batch}, prompts left-padded to {args.width}, {args.new} new tokens: a call "
-        f"{statistics.median(hf):.2f} s with HF sdpa, {statistics.median(grouped):.2f} s grouped "
-        f"(medians; {min(hf) / max(grouped):.2f}-{max(hf) / min(grouped):.2f} x); replies equal "
-        f"{same:.4f}, tokens before the first difference {prefix:.4f}"
+        f"with HF sdpa {statistics.median(hf):.2f} s (median)"
     )
-    keys += [
-        f"generate.smollm2.b{args.batch}.compiled.hf_sdpa_seconds_per_call = {statistics.median(hf):.2f}",
-        f"generate.smollm2.b{args.batch}.compiled.grouped_seconds_per_call = {statistics.median(grouped):.2f}",
-        f"generate.smollm2.b{args.batch}.compiled.grouped_speedup = {statistics.median(hf) / statistics.median(grouped):.2f}",
-    ]
+    key = f"generate.smollm2.b{args.batch}.compiled"
+    keys.append(f"{key}.hf_sdpa_seconds_per_call = {statistics.median(hf):.2f}")
+    for variant in ("folded", "grouped"):
+        times = [r[3] for r in rows if r[1] == variant]
+        same, prefix = agreement(outs["hf"], outs[variant])
+        print(
+            f"  {variant}: {statistics.median(times):.2f} s, "
+            f"{statistics.median(hf) / statistics.median(times):.2f} x "
+            f"({min(hf) / max(times):.2f}-{max(hf) / min(times):.2f} x); replies equal to HF "
+            f"sdpa's {same:.4f}, tokens before the first difference {prefix:.4f}"
+        )
+        keys += [
+            f"{key}.{variant}_seconds_per_call = {statistics.median(times):.2f}",
+            f"{key}.{variant}_speedup = {statistics.median(hf) / statistics.median(times):.2f}",
+            f"{key}.{variant}_replies_equal = {same:.4f}",
+        ]
     print("\n".join(keys))
 
 
@@ -381,7 +408,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None, help="check: 256, speed: 1024")
     p.add_argument("--width", type=int, default=None, help="prompt tokens (check 512, speed 1024)")
     p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
-    p.add_argument("--rounds", type=int, default=2, help="speed: rounds of both variants")
+    p.add_argument("--rounds", type=int, default=3, help="speed: rounds of the three variants")
     p.add_argument("--verifier", help="greedy: an HF model folder")
     p.add_argument(
         "--fp32-grouped-only",

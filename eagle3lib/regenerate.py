@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -194,6 +195,41 @@ def regenerate_chunk(
 GROUPED_SDPA = "eagle3-grouped-sdpa"
 # Decoding steps (and short verification chunks) are folded; a prefill is left to HF's sdpa.
 FOLD_MAX_QUERIES = 16
+# (device type, dtype) whose decoding steps SDPA's cuDNN backend takes whole (enable_gqa with
+# the padding mask), set by grouped_query_decoding from cudnn_grouped_decoding; None: fold.
+_cudnn_step = None
+
+
+@functools.cache
+def cudnn_grouped_decoding(device: str, dtype, groups: int, head_dim: int) -> bool:
+    """Whether SDPA's cuDNN backend takes a decoding step with grouped key/value heads under a
+    padding mask (``enable_gqa``) on ``device`` in ``dtype``, and agrees with the math backend
+    there: one small call each. cuDNN takes bf16 and fp16 on recent NVIDIA GPUs, never fp32,
+    and none of this on a CPU. On an H200 it ran a bf16 step of batch 1024 1.8 x faster than the
+    folded heads, with transformers' sdpa output to the bit (BENCHMARKS.md)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return False
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(2, groups, 1, head_dim, generator=g, device=device, dtype=dtype)
+    key, value = (
+        torch.randn(2, 1, 64, head_dim, generator=g, device=device, dtype=dtype) for _ in range(2)
+    )
+    mask = (torch.arange(64, device=device) >= torch.tensor([[0], [37]], device=device))[
+        :, None, None
+    ]  # the second row left-padded
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            got = sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
+    except RuntimeError:  # "No available kernel": this dtype, head size or cuDNN
+        return False
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
+    return bool(torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02))
 
 
 def grouped_sdpa_attention(
@@ -202,12 +238,14 @@ def grouped_sdpa_attention(
     """HF's ``sdpa`` attention, except where a few query positions (a decoding step) attend
     under a padding mask with grouped key/value heads (GQA): the query heads that share a
     key/value head are then attended as extra query rows of that head. transformers instead
-    copies every key and value once per query head whenever a mask is given (torch's fused
-    SDPA kernels take no mask together with ``enable_gqa``), so a decoding step of a large
-    left-padded batch writes and reads its KV cache several times over (at SmolLM2-135M's 9
-    query and 3 key/value heads: 3 copies). Each query row's scores, softmax and weighted sum
-    are the same computation either way; the kernels may round differently (bit-identical in
-    fp32 on an H200, a rounding step in 3 values of 10,000 in bf16: BENCHMARKS.md)."""
+    copies every key and value once per query head whenever a mask is given (torch's flash
+    and memory-efficient kernels take no mask together with ``enable_gqa``), so a decoding
+    step of a large left-padded batch writes and reads its KV cache several times over (at
+    SmolLM2-135M's 9 query and 3 key/value heads: 3 copies). Each query row's scores, softmax
+    and weighted sum are the same computation either way; the kernels may round differently
+    (bit-identical in fp32 on an H200, a rounding step in 3 values of 10,000 in bf16:
+    BENCHMARKS.md). Where cuDNN's kernel takes the step whole (bf16 or fp16 on a GPU,
+    cudnn_grouped_decoding), it runs instead, with ``enable_gqa``."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -227,8 +265,17 @@ def grouped_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    # query head h uses key/value head h // groups (HF's repeat_kv): rows (group, position)
     mask = attention_mask[:, :, :, : key.shape[-2]]
+    if (query.device.type, query.dtype) == _cudnn_step:
+        # cuDNN reads each key/value head once for its query heads; math only if it refuses
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        return out.transpose(1, 2).contiguous(), None
+    # query head h uses key/value head h // groups (HF's repeat_kv): rows (group, position)
     mask = mask[:, :, None].expand(batch, 1, groups, queries, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, kv_heads, groups * queries, dim),
@@ -253,11 +300,20 @@ def grouped_query_decoding(model):
     if GROUPED_SDPA not in AttentionInterface._global_mapping:  # noqa: SLF001
         AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
         AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks sdpa gets
+    global _cudnn_step
+    weight = model.get_input_embeddings().weight
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    cudnn = cudnn_grouped_decoding(str(weight.device), weight.dtype, heads // kv_heads, head_dim)
     model.set_attn_implementation(GROUPED_SDPA)
+    _cudnn_step = (weight.device.type, weight.dtype) if cudnn else None
     try:
         yield
     finally:
         model.set_attn_implementation("sdpa")
+        _cudnn_step = None
 
 
 def hf_generate(

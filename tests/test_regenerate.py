@@ -7,6 +7,7 @@ import pytest
 import tiny
 import torch
 from conftest import regenerate_command
+from torch.nn.attention import SDPBackend
 
 from eagle3lib import regenerate as rg
 from eagle3lib.config import RegenerateConfig
@@ -284,6 +285,47 @@ def test_grouped_decoding_attention_is_hfs_sdpa_without_copying_the_keys(verifie
         mp.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
         rg.grouped_sdpa_attention(module, prefill, keys, keys, full)
     assert calls == [kv_heads * groups]
+
+
+def test_a_step_cudnn_takes_whole_is_one_call_with_every_query_head(verifier_model, monkeypatch):
+    """Where cudnn_grouped_decoding found cuDNN taking the step (a GPU, bf16: not here), the
+    step is one SDPA call over all query heads with enable_gqa, under cuDNN then math, and
+    gives HF's sdpa output. Here the device type and dtype of the CPU stand in, so that math
+    runs it."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = verifier_model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    batch, kv_heads, length, dim = 3, 2, 10, 16
+    query = torch.randn(batch, 4, 1, dim, generator=g)
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = (torch.arange(length)[None] >= torch.tensor([0, 4, 7])[:, None])[:, None, None]
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        calls.append((q.shape[1], kwargs.get("enable_gqa"), _cur_sdpa_kernel_backends(True)))
+        return sdpa(q, *args, **kwargs)
+
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    monkeypatch.setattr(rg, "_cudnn_step", ("cpu", torch.float32))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    got, _ = rg.grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    assert [(heads, gqa, order[:2]) for heads, gqa, order in calls] == [(4, True, backends)]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    calls.clear()
+    bf16 = [t.bfloat16() for t in (query, key, value)]  # a dtype cuDNN was not found for
+    rg.grouped_sdpa_attention(module, *bf16, mask, scaling=0.25)
+    assert [(heads, gqa) for heads, gqa, _ in calls] == [(kv_heads, None)]  # folded
+
+
+def test_cudnn_is_never_probed_true_on_a_cpu_and_generate_folds_there(verifier_model):
+    assert not rg.cudnn_grouped_decoding("cpu", torch.bfloat16, 3, 64)
+    with rg.grouped_query_decoding(verifier_model):
+        assert rg._cudnn_step is None
+    assert rg._cudnn_step is None
 
 
 def test_hf_generate_decodes_with_grouped_attention_and_restores_sdpa(
