@@ -26,6 +26,10 @@ REQUIRED_FIELDS = (
 )
 
 
+# The model card's tags: those of speculators' published EAGLE-3 drafts on the Hugging Face Hub
+CARD_TAGS = ("speculative-decoding", "eagle3", "speculators", "vllm")
+
+
 def absolute_paths(obj: Any, where: str = "") -> list[str]:
     """Config entries that look like absolute machine paths."""
     found = []
@@ -288,7 +292,7 @@ def model_card(config: dict[str, Any], record: dict[str, Any], stats: dict[str, 
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     spec = json.dumps({"method": "eagle3", "model": "<this folder>", "num_speculative_tokens": k})
     tl = config["transformer_layer_config"]
-    return f"""# EAGLE-3 draft for {record["name"]}
+    return f"""{_card_metadata(record)}# EAGLE-3 draft for {record["name"]}
 
 Trained by this workflow with speculators' `Eagle3DraftModel` on hidden states of the verifier
 `{record["name"]}` (config sha256 `{record["config_sha256"][:16]}…`).
@@ -314,6 +318,16 @@ vLLM asks for 92 % of the memory and does not start when less is free.
 The acceptance this workflow measured (offline and in vLLM) is in the run folder's
 `reports/summary.md`: evaluation runs after this folder is written.
 """
+
+
+def _card_metadata(record: dict[str, Any]) -> str:
+    """The model card's YAML header, as the Hugging Face Hub reads it: tags, and the verifier as
+    ``base_model`` where its name is a hub id (``org/name``), not a folder's name."""
+    lines = ["---"]
+    if "/" in record["name"]:
+        lines.append(f"base_model: {json.dumps(record['name'])}")
+    lines += ["tags:", *(f"- {t}" for t in CARD_TAGS), "---", ""]
+    return "\n".join(lines) + "\n"
 
 
 def _verifier_note(record: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import checkpoint
@@ -95,3 +96,19 @@ def test_model_card_has_the_vllm_command(pipeline):
     assert "folder's name" not in checkpoint.model_card(config, named, {})
     gguf = {**local, "kind": "gguf", "gguf": {"file": "tiny.Q4_1.gguf"}, "name": "org/tiny"}
     assert "The hidden states came from `tiny.Q4_1.gguf`" in checkpoint.model_card(config, gguf, {})
+
+
+def test_model_card_header_names_a_hub_verifier_as_base_model(pipeline):
+    """The YAML header the Hub reads: the verifier as base_model only where its name is a hub
+    id; a folder's name would link to a model that is not it."""
+    config = json.loads((pipeline["checkpoint"] / "config.json").read_text())
+
+    def header(record):
+        card = checkpoint.model_card(config, record, {})
+        assert card.startswith("---\n")
+        return yaml.safe_load(card.split("---\n")[1])
+
+    tags = ["speculative-decoding", "eagle3", "speculators", "vllm"]
+    assert header(pipeline["record"]) == {"tags": tags}  # tiny-llama: a folder's name
+    named = {**pipeline["record"], "name": 'org/tiny: "llama"'}
+    assert header(named) == {"base_model": 'org/tiny: "llama"', "tags": tags}
