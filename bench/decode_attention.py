@@ -13,8 +13,9 @@ GPU (or the CPU, slowly).
                                                # (split-KV decoding, grouped heads natively)
     python3 bench/decode_attention.py greedy --verifier results/demo/verifier/hf
                                                # a real verifier's greedy replies to MT-bench's
-                                               # first turns through hf_generate, both
-                                               # attentions, bf16 and fp32: tokens compared
+                                               # first turns through hf_generate, each
+                                               # attention as in speed, bf16 and fp32:
+                                               # tokens compared
     python3 bench/decode_attention.py speed    # hf_generate as the regen-all job runs it
                                                # (regenerate.compile, batch 1024, prompts
                                                # left-padded to 1024 tokens, 256 new):
@@ -301,7 +302,9 @@ def check(args) -> None:
 
 def greedy(args) -> None:
     """A real verifier (an HF folder) answers MT-bench's first turns, in one left-padded batch,
-    with transformers' sdpa and with the grouped attention: replies compared, bf16 and fp32."""
+    with transformers' sdpa, the folded heads and what regeneration runs (grouped: cuDNN's whole
+    step where it takes it, in bf16 on a GPU; the folded heads elsewhere, then not run twice):
+    replies compared with transformers' sdpa's and, in bf16, with fp32 greedy text."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -325,33 +328,33 @@ def greedy(args) -> None:
         cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=len(prompts))
         generate = rg.hf_generate(model, tokenizer, cfg)
         name = str(dtype).split(".")[-1]
-        variants = (
-            ("grouped",) if args.fp32_grouped_only and name == "float32" else ("hf", "grouped")
+        config = model.config
+        cudnn = rg.cudnn_grouped_decoding(
+            DEVICE,
+            dtype,
+            config.num_attention_heads // config.num_key_value_heads,
+            config.hidden_size // config.num_attention_heads,
         )
-        seconds = {}
+        variants = ["hf", "folded", "grouped"] if cudnn else ["hf", "folded"]
+        if args.fp32_grouped_only and name == "float32":
+            variants = ["folded"]
         for variant in variants:
-            seconds[variant], replies[name, variant] = run(variant, generate, prompts)
-            print(f"{name} {variant}: {seconds[variant]:.1f} s", flush=True)
-            if name == "bfloat16":  # against fp32 greedy (both attentions give the same there)
-                same, prefix = agreement(replies[name, variant], replies["float32", "grouped"])
-                print(
-                    f"  against fp32: replies equal {same:.4f}, tokens before the first "
-                    f"difference {prefix:.4f}",
-                    flush=True,
+            seconds, replies[name, variant] = run(variant, generate, prompts)
+            line = f"{name} {variant}: {seconds:.1f} s"
+            if variant != "hf" and (name, "hf") in replies:
+                same, prefix = agreement(replies[name, "hf"], replies[name, variant])
+                line += f"; against transformers' sdpa: replies equal {same:.4f}, tokens before the first difference {prefix:.4f}"
+                keys.append(
+                    f"decode_attention.{DEVICE}.real.{name}.{variant}.replies_equal = {same:.4f}"
                 )
+            if name == "bfloat16":  # fp32 greedy: the attentions give the same there
+                same, prefix = agreement(replies[name, variant], replies["float32", "folded"])
+                line += f"; against fp32: tokens before the first difference {prefix:.4f}"
                 keys.append(
                     f"decode_attention.{DEVICE}.real.bf16_{variant}.vs_fp32_prefix = {prefix:.4f}"
                 )
-        if len(variants) == 2:
-            same, prefix = agreement(replies[name, "hf"], replies[name, "grouped"])
-            print(
-                f"{args.verifier}, {name}, {len(prompts)} MT-bench first turns, up to {args.new} "
-                f"new tokens: transformers' sdpa {seconds['hf']:.1f} s, grouped "
-                f"{seconds['grouped']:.1f} s; replies equal {same:.4f}, tokens before the first "
-                f"difference {prefix:.4f}",
-                flush=True,
-            )
-            keys.append(f"decode_attention.{DEVICE}.real.{name}.replies_equal = {same:.4f}")
+            print(line, flush=True)
+    print(f"{args.verifier}: {len(prompts)} MT-bench first turns, up to {args.new} new tokens")
     print("\n".join(keys))
 
 
@@ -413,7 +416,7 @@ def main() -> int:
     p.add_argument(
         "--fp32-grouped-only",
         action="store_true",
-        help="greedy: fp32 with the grouped attention only (the reference for bf16)",
+        help="greedy: fp32 with the folded heads only (the reference for bf16)",
     )
     args = p.parse_args()
     defaults = {

@@ -27,6 +27,8 @@ PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
+# GREEDY=1: once the build has ended, the run's verifier answers MT-bench's first turns with each
+# attention of bench/decode_attention.py greedy (in $C/greedy.log)
 # Side checks: 1 while the build runs (on the GPU it leaves free), 0 none (the build alone: on one
 # GPU they would queue with its jobs), after: only the draft check, once the build has ended
 SIDE=${SIDE:-1}
@@ -248,6 +250,9 @@ run)
   echo "$(date +%T) build: exit $rc" >>"$C/status"
   if [ "$SIDE" = after ] && [ -e "$R/reports/checkpoint.json" ]; then
     draft_check
+  fi
+  if [ -n "${GREEDY:-}" ] && [ -d "$R/verifier/hf" ]; then # the run's verifier, each attention
+    side greedy python3 bench/decode_attention.py greedy --verifier "$R/verifier/hf"
   fi
   touch "$C/done"
   ;;
