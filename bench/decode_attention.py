@@ -328,13 +328,7 @@ def greedy(args) -> None:
         cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=len(prompts))
         generate = rg.hf_generate(model, tokenizer, cfg)
         name = str(dtype).split(".")[-1]
-        config = model.config
-        cudnn = rg.cudnn_grouped_decoding(
-            DEVICE,
-            dtype,
-            config.num_attention_heads // config.num_key_value_heads,
-            config.hidden_size // config.num_attention_heads,
-        )
+        cudnn = rg.cudnn_grouped_decoding(DEVICE, dtype, *rg.head_geometry(model.config))
         variants = ["hf", "folded", "grouped"] if cudnn else ["hf", "folded"]
         if args.fp32_grouped_only and name == "float32":
             variants = ["folded"]
@@ -363,7 +357,7 @@ def speed(args) -> None:
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=args.batch, compile=DEVICE == "cuda")
     rows, keys, outs = [], [], {}
-    cudnn = rg.cudnn_grouped_decoding(DEVICE, torch.bfloat16, 3, 64)
+    cudnn = rg.cudnn_grouped_decoding(DEVICE, torch.bfloat16, *rg.head_geometry(model.config))
     print(f"cuDNN takes a bf16 decoding step whole here: {'yes' if cudnn else 'no'}")
     order = ["hf", "folded", "grouped"]
     for rnd in range(args.rounds):

@@ -8,6 +8,7 @@ A checkpoint is a folder with ``config.json`` (speculators' Eagle3SpeculatorConf
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ REQUIRED_FIELDS = (
 
 # The model card's tags: those of speculators' published EAGLE-3 drafts on the Hugging Face Hub
 CARD_TAGS = ("speculative-decoding", "eagle3", "speculators", "vllm")
+# A Hugging Face Hub model id: owner/name of letters, digits, '-', '_' and '.'
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def absolute_paths(obj: Any, where: str = "") -> list[str]:
@@ -324,8 +327,8 @@ def _card_metadata(record: dict[str, Any]) -> str:
     """The model card's YAML header, as the Hugging Face Hub reads it: tags, and the verifier as
     ``base_model`` where its name is a hub id (``org/name``), not a folder's name."""
     lines = ["---"]
-    if "/" in record["name"]:
-        lines.append(f"base_model: {json.dumps(record['name'])}")
+    if HUB_ID.fullmatch(record["name"]):
+        lines.append(f"base_model: {record['name']}")
     lines += ["tags:", *(f"- {t}" for t in CARD_TAGS), "---", ""]
     return "\n".join(lines) + "\n"
 

@@ -205,8 +205,8 @@ def cudnn_grouped_decoding(device: str, dtype, groups: int, head_dim: int) -> bo
     """Whether SDPA's cuDNN backend takes a decoding step with grouped key/value heads under a
     padding mask (``enable_gqa``) on ``device`` in ``dtype``, and agrees with the math backend
     there: one small call each. cuDNN takes bf16 and fp16 on recent NVIDIA GPUs, never fp32,
-    and none of this on a CPU. On an H200 it ran a bf16 step of batch 1024 1.8 x faster than the
-    folded heads, with transformers' sdpa output to the bit (BENCHMARKS.md)."""
+    and none of this on a CPU. On an H200 such a bf16 step of batch 1024 ran 1.8 x faster than
+    the folded heads, giving transformers' sdpa output to the bit (BENCHMARKS.md)."""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -244,8 +244,9 @@ def grouped_sdpa_attention(
     SmolLM2-135M's 9 query and 3 key/value heads: 3 copies). Each query row's scores, softmax
     and weighted sum are the same computation either way; the kernels may round differently
     (bit-identical in fp32 on an H200, a rounding step in 3 values of 10,000 in bf16:
-    BENCHMARKS.md). Where cuDNN's kernel takes the step whole (bf16 or fp16 on a GPU,
-    cudnn_grouped_decoding), it runs instead, with ``enable_gqa``."""
+    BENCHMARKS.md). Where cuDNN's kernel takes the step with ``enable_gqa`` and the mask (bf16
+    or fp16 on a GPU, cudnn_grouped_decoding), that one call runs instead: it reads each
+    key/value head once for its query heads, without folding them."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -267,7 +268,7 @@ def grouped_sdpa_attention(
         )
     mask = attention_mask[:, :, :, : key.shape[-2]]
     if (query.device.type, query.dtype) == _cudnn_step:
-        # cuDNN reads each key/value head once for its query heads; math only if it refuses
+        # cuDNN first (torch's default order puts it last on some GPUs); math if it refuses
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True):
@@ -301,19 +302,36 @@ def grouped_query_decoding(model):
         AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
         AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks sdpa gets
     global _cudnn_step
+    before = _cudnn_step
     weight = model.get_input_embeddings().weight
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    cudnn = cudnn_grouped_decoding(str(weight.device), weight.dtype, heads // kv_heads, head_dim)
+    cudnn = cudnn_usable() and cudnn_grouped_decoding(
+        str(weight.device), weight.dtype, *head_geometry(model.config)
+    )
     model.set_attn_implementation(GROUPED_SDPA)
     _cudnn_step = (weight.device.type, weight.dtype) if cudnn else None
     try:
         yield
     finally:
         model.set_attn_implementation("sdpa")
-        _cudnn_step = None
+        _cudnn_step = before
+
+
+def head_geometry(config) -> tuple[int, int]:
+    """(query heads per key/value head, head size) of an HF decoder's config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads // kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def cudnn_usable() -> bool:
+    """Whether SDPA may use cuDNN now: it is on, and deterministic algorithms (which cuDNN's
+    kernel is not) are not asked for. Otherwise a step sent to it would fall to the math
+    backend, many times slower than the folded heads."""
+    import torch
+
+    return (
+        torch.backends.cuda.cudnn_sdp_enabled() and not torch.are_deterministic_algorithms_enabled()
+    )
 
 
 def hf_generate(

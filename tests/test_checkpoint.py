@@ -110,5 +110,7 @@ def test_model_card_header_names_a_hub_verifier_as_base_model(pipeline):
 
     tags = ["speculative-decoding", "eagle3", "speculators", "vllm"]
     assert header(pipeline["record"]) == {"tags": tags}  # tiny-llama: a folder's name
-    named = {**pipeline["record"], "name": 'org/tiny: "llama"'}
-    assert header(named) == {"base_model": 'org/tiny: "llama"', "tags": tags}
+    named = {**pipeline["record"], "name": "org-1/tiny_llama.v2"}
+    assert header(named) == {"base_model": "org-1/tiny_llama.v2", "tags": tags}
+    for not_an_id in ("org/tiny llama", "a/b/c", "/models/tiny", "org/"):
+        assert header({**pipeline["record"], "name": not_an_id}) == {"tags": tags}, not_an_id

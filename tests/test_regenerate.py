@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import re
@@ -326,6 +327,42 @@ def test_cudnn_is_never_probed_true_on_a_cpu_and_generate_folds_there(verifier_m
     with rg.grouped_query_decoding(verifier_model):
         assert rg._cudnn_step is None
     assert rg._cudnn_step is None
+
+
+def test_cudnn_steps_only_where_probed_and_usable_and_the_setting_is_restored(
+    verifier_model, monkeypatch
+):
+    """The model's (device type, dtype) is set for the block where the probe (asked with the
+    model's head geometry) says yes, and not where cuDNN is off or deterministic algorithms are
+    asked for (cuDNN would refuse and math run instead); the earlier setting comes back after."""
+    asked = []
+    monkeypatch.setattr(rg, "cudnn_grouped_decoding", lambda *a: asked.append(a) or True)
+    monkeypatch.setattr(rg, "_cudnn_step", "earlier")
+    with rg.grouped_query_decoding(verifier_model):
+        assert rg._cudnn_step == ("cpu", torch.float32)
+    assert asked == [("cpu", torch.float32, 2, 16)]  # 4 query heads of 16, 2 key/value heads
+    assert rg._cudnn_step == "earlier"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with rg.grouped_query_decoding(verifier_model):
+            assert rg._cudnn_step is None
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    with _cudnn_sdp_off(), rg.grouped_query_decoding(verifier_model):
+        assert rg._cudnn_step is None
+    with rg.grouped_query_decoding(verifier_model):
+        assert rg._cudnn_step == ("cpu", torch.float32)
+
+
+@contextlib.contextmanager
+def _cudnn_sdp_off():
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def test_hf_generate_decodes_with_grouped_attention_and_restores_sdpa(
