@@ -304,8 +304,11 @@ def grouped_query_decoding(model):
     global _cudnn_step
     before = _cudnn_step
     weight = model.get_input_embeddings().weight
-    cudnn = cudnn_usable() and cudnn_grouped_decoding(
-        str(weight.device), weight.dtype, *head_geometry(model.config)
+    geometry = head_geometry(model.config)
+    cudnn = (
+        geometry is not None
+        and cudnn_usable()
+        and cudnn_grouped_decoding(str(weight.device), weight.dtype, *geometry)
     )
     model.set_attn_implementation(GROUPED_SDPA)
     _cudnn_step = (weight.device.type, weight.dtype) if cudnn else None
@@ -316,11 +319,16 @@ def grouped_query_decoding(model):
         _cudnn_step = before
 
 
-def head_geometry(config) -> tuple[int, int]:
-    """(query heads per key/value head, head size) of an HF decoder's config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads // kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+def head_geometry(config) -> tuple[int, int] | None:
+    """(query heads per key/value head, head size) of an HF model's language model (its text
+    config where it nests one), or None where the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
+    return (heads // kv_heads, head_dim) if head_dim else None
 
 
 def cudnn_usable() -> bool:
