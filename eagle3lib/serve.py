@@ -177,14 +177,16 @@ class VllmServer:
 
     def _note_shutdown_race(self) -> None:
         """After a normal stop, say so below vLLM's EngineDeadError traceback where it logged
-        one: at shutdown its output handler can see the engine gone before it is cancelled
-        (vllm-project/vllm#48745, open), which reads like a crash but is not one."""
+        one during its shutdown (not before it): the output handler can see the engine gone
+        before it is cancelled (vllm-project/vllm#48745, open), which reads like a crash but
+        is not one."""
         self._log.flush()
         with open(self.log_path, "rb") as fh:
             fh.seek(self._log_start)
-            if b"EngineDeadError" not in fh.read():
-                return
-        self._log.write(SHUTDOWN_RACE_NOTE.encode() + b"\n")
+            text = fh.read()
+        shutdown = text.find(b"shutdown triggered")
+        if 0 <= shutdown < text.find(b"EngineDeadError"):  # the first one after the trigger
+            self._log.write(SHUTDOWN_RACE_NOTE.encode() + b"\n")
 
     def log_tail(self, lines: int = 3) -> str:
         try:
