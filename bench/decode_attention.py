@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -204,15 +205,9 @@ def kernels(args) -> None:
     print("\n".join(keys))
 
 
-@contextlib.contextmanager
 def hf_sdpa():
     """hf_generate with transformers' own sdpa attention (grouped_query_decoding a no-op)."""
-    grouped = rg.grouped_query_decoding
-    rg.grouped_query_decoding = lambda model: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        rg.grouped_query_decoding = grouped
+    return mock.patch.object(rg, "grouped_query_decoding", lambda model: contextlib.nullcontext())
 
 
 def prompts_of(batch: int, width: int, seed: int) -> list[list[int]]:
@@ -221,16 +216,10 @@ def prompts_of(batch: int, width: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lengths]
 
 
-@contextlib.contextmanager
 def folded():
     """hf_generate with the grouped attention's folded heads, also where cuDNN would take the
     step whole (cudnn_grouped_decoding answering no)."""
-    probe = rg.cudnn_grouped_decoding
-    rg.cudnn_grouped_decoding = lambda *args: False
-    try:
-        yield
-    finally:
-        rg.cudnn_grouped_decoding = probe
+    return mock.patch.object(rg, "cudnn_grouped_decoding", lambda *args: False)
 
 
 def run(variant: str, generate, prompts) -> tuple[float, list[list[int]]]:
