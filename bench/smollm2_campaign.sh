@@ -257,6 +257,10 @@ run)
   touch "$C/done"
   ;;
 wait)
+  test -e "$C/status" || { # a machine released while idle comes back bare: nothing to wait for
+    echo "error: no build on this machine ($C/status is missing); set it up and start again" >&2
+    exit 1
+  }
   end=$((SECONDS + ${2:-540}))
   while [ ! -e "$C/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
   # one archive: a call brings back only a few files, and none of the big ones
