@@ -17,6 +17,7 @@ import functools
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -222,8 +223,9 @@ def cudnn_grouped_decoding(device: str, dtype, groups: int, head_dim: int) -> bo
         :, None, None
     ]  # the second row left-padded
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    try:  # torch warns why each kernel declines before it raises: the answer is enough here
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             got = sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
     except RuntimeError:  # "No available kernel": this dtype, head size or cuDNN
         return False
