@@ -23,27 +23,46 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(
-    step: int, total: int, epoch: int, epochs: int, tokens: int, seconds: float, steps_run: int
+    step: int,
+    total: int,
+    epoch: int,
+    epochs: int,
+    tokens: int,
+    seconds: float,
+    steps_run: int,
+    elapsed: float | None = None,
 ) -> str:
-    """One line of training progress: ``step`` of ``total`` done, ``steps_run`` of them (and
-    ``tokens`` real tokens) in ``seconds`` by this process; the rest at the same pace."""
+    """One line of training progress: ``step`` of ``total`` done; the pace from ``steps_run``
+    steps (``tokens`` real tokens) in ``seconds`` run by this process, the rest extrapolated at
+    it; ``elapsed`` the process's training time so far (``seconds`` where not given)."""
     rate = tokens / seconds if seconds > 0 else 0.0
     left = (total - step) * seconds / steps_run if steps_run else 0.0
     return (
         f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), {rate:,.0f} tokens/s, "
-        f"{duration(seconds)} elapsed, about {duration(left)} left"
+        f"{duration(seconds if elapsed is None else elapsed)} elapsed, about {duration(left)} left"
+    )
+
+
+def first_step_line(step: int, total: int, epoch: int, epochs: int, seconds: float) -> str:
+    """The line after this process's first step, which also compiles and fills the loader: its
+    time, and no pace (one extrapolated from it was hours off on a GPU)."""
+    return (
+        f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), first step in "
+        f"{duration(seconds)} (compilation and loading included); pace from the next steps"
     )
 
 
 class TrainingProgress:
-    """Prints ``progress_line`` to stderr after the first step, then every ``every`` seconds
-    and after the last step (host clock only: no wait for the GPU)."""
+    """Prints ``first_step_line`` to stderr after the first step, then ``progress_line`` every
+    ``every`` seconds and after the last step, its pace measured from the end of the first
+    step (host clock only: no wait for the GPU)."""
 
     def __init__(self, epochs: int, max_steps: int | None = None, every: float = 10.0, stream=None):
         self.epochs, self.max_steps, self.every = epochs, max_steps, every
         self.stream = stream
         self.total = max_steps or 0
         self.start = self.last = time.perf_counter()
+        self.first = self.start  # the end of the first step
         self.tokens = 0
         self.steps_run = 0
 
@@ -57,15 +76,27 @@ class TrainingProgress:
         """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens)."""
         import sys
 
-        self.tokens += tokens
         self.steps_run += 1
         now = time.perf_counter()
-        if self.steps_run > 1 and step < self.total and now - self.last < self.every:
+        if self.steps_run == 1:
+            self.first = self.last = now
+            line = first_step_line(step, self.total, epoch, self.epochs, now - self.start)
+        elif step < self.total and now - self.last < self.every:
+            self.tokens += tokens
             return
-        self.last = now
-        line = progress_line(
-            step, self.total, epoch, self.epochs, self.tokens, now - self.start, self.steps_run
-        )
+        else:
+            self.tokens += tokens
+            self.last = now
+            line = progress_line(
+                step,
+                self.total,
+                epoch,
+                self.epochs,
+                self.tokens,
+                now - self.first,
+                self.steps_run - 1,
+                elapsed=now - self.start,
+            )
         print(line, file=self.stream or sys.stderr, flush=True)
 
 

@@ -412,7 +412,7 @@ def test_progress_line_extrapolates_from_this_runs_pace():
 def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeypatch):
     import io
 
-    clock = iter([0.0, 1.0, 2.0, 12.5, 13.0, 14.0])
+    clock = iter([0.0, 100.0, 101.0, 111.5, 112.0, 113.0])  # the first step compiles: 100 s
     monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
     out = io.StringIO()
     progress = streaming_trainer.TrainingProgress(epochs=1, every=10.0, stream=out)
@@ -420,12 +420,15 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
     for step in range(1, 6):
         progress.step(step, 0, 100)
     lines = out.getvalue().splitlines()
-    assert [line.split(" (")[0] for line in lines] == [
-        "train: step 1/5",
-        "train: step 3/5",
-        "train: step 5/5",
-    ]
-    assert lines[-1].endswith("36 tokens/s, 14 s elapsed, about 0 s left")  # 500 in 14 s
+    assert lines[0] == (
+        "train: step 1/5 (epoch 1/1), first step in 1 min 40 s (compilation and loading "
+        "included); pace from the next steps"
+    )
+    assert [line.split(" (")[0] for line in lines[1:]] == ["train: step 3/5", "train: step 5/5"]
+    # steps 2-3 (200 tokens) in 11.5 s after the first; 2 steps left at 5.75 s each
+    assert lines[1].endswith("17 tokens/s, 1 min 52 s elapsed, about 12 s left")
+    # steps 2-5 (400 tokens) in 13 s after the first: the first step's 100 s not in the pace
+    assert lines[-1].endswith("31 tokens/s, 1 min 53 s elapsed, about 0 s left")
 
 
 def test_progress_total_follows_each_epochs_step_count_and_max_steps():
