@@ -99,6 +99,7 @@ class RegenerateConfig:
     max_turns: int | None = None
     kv_cache: str = "static"
     compile: bool = False
+    dtype: str = "auto"
     synthetic_prompts: int = 0
     synthetic_max_tokens: int = 128
     synthetic_system_prompts: list[str | None] = dataclasses.field(default_factory=list)
@@ -309,7 +310,19 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
         messages += aux_layer_errors(config["extract"].get("aux_layers"))
     if not messages:
         messages += acceptance_gate_errors(config, schema)
+    if not messages:
+        messages += regenerate_dtype_errors(config.get("regenerate") or {})
     return messages
+
+
+def regenerate_dtype_errors(regenerate: dict[str, Any]) -> list[str]:
+    """regenerate.dtype set with the vllm backend, which computes in vllm.dtype."""
+    if regenerate.get("backend") == "vllm" and regenerate.get("dtype", "auto") != "auto":
+        return [
+            "config key regenerate.dtype: the hf backend's dtype; the vllm backend computes in "
+            "vllm.dtype: set that instead, or leave regenerate.dtype at auto"
+        ]
+    return []
 
 
 def acceptance_gate(gate: dict[str, dict[Any, float]] | None) -> dict[str, dict[str, float]]:

@@ -313,9 +313,10 @@ def compile_if_off(name):
 def regenerate_section():
     """The regenerate section as its rule's parameter: GPU and worker counts are resources;
     the synthetic-prompt keys only when prompts are sampled, their system prompts only when
-    given (runs made before the keys stay current)."""
+    given, dtype only when not auto (runs made before the keys stay current)."""
     unused = synthetic_keys_left_out(config["regenerate"])
-    drop = ("gpus", "enabled", "workers", *compile_if_off("regenerate"), *unused)
+    auto = ("dtype",) if config["regenerate"]["dtype"] == "auto" else ()
+    drop = ("gpus", "enabled", "workers", *compile_if_off("regenerate"), *auto, *unused)
     return section("regenerate", drop=drop)
 
 

@@ -145,13 +145,16 @@ def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    model = load_model(record, resolve_dtype("auto", device), device_map=device_map_for_job())
+    dtype = resolve_dtype(cfg.dtype, device, "regenerate.dtype")
+    model = load_model(record, dtype, device_map=device_map_for_job())
     width = json.loads(a.data)["max_length"]  # a prompt is shorter (longer ones are skipped)
 
     def sampler(prefix_width: int):  # synthetic prompts: a template prefix per system prompt
         return rg.hf_generate(model, tokenizer, rg.sampling(cfg), prompt_width=prefix_width)
 
-    return run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width), sampler)
+    print(f"regenerate: the verifier answers in {dtype} on {device}", file=sys.stderr)
+    stats = run(rg.hf_generate(model, tokenizer, cfg, prompt_width=width), sampler)
+    return stats | {"dtype": str(dtype).removeprefix("torch.")}
 
 
 if __name__ == "__main__":

@@ -612,6 +612,42 @@ def test_the_regenerate_job_samples_synthetic_prompts_with_its_verifier(verifier
     assert "regenerate.synthetic_prompts: prompts are sampled once" in refused.stderr
 
 
+def test_the_regenerate_job_answers_in_regenerate_dtype(verifier_record, tmp_path):
+    """regenerate.dtype reaches the hf backend's verifier and the job's record; bfloat16 on a
+    CPU without native bf16 stops the job with one line naming the key."""
+    from eagle3lib.fileio import write_json
+    from eagle3lib.precision import bf16_is_slow
+
+    convs = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(2, seed=5))
+    write_json(tmp_path / "verifier.json", verifier_record)
+    data = {"train": {"path": str(convs)}, "max_length": 256}
+    section = {"max_new_tokens": 3, "dtype": "bfloat16"}
+    cmd = regenerate_command(tmp_path / "verifier.json", convs, data, section, tmp_path)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
+    if bf16_is_slow(torch.device("cpu")):
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "config key regenerate.dtype: bfloat16 on this CPU" in proc.stderr
+        assert not (tmp_path / "info.json").exists()
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "regenerate: the verifier answers in torch.bfloat16 on cpu" in proc.stderr
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["dtype"] == "bfloat16" and info["settings"]["dtype"] == "bfloat16"
+
+
+def test_regenerate_dtype_is_refused_with_the_vllm_backend():
+    from eagle3lib.config import regenerate_dtype_errors
+
+    assert regenerate_dtype_errors({"backend": "vllm", "dtype": "float32"}) == [
+        "config key regenerate.dtype: the hf backend's dtype; the vllm backend computes in "
+        "vllm.dtype: set that instead, or leave regenerate.dtype at auto"
+    ]
+    assert regenerate_dtype_errors({"backend": "vllm", "dtype": "auto"}) == []
+    assert regenerate_dtype_errors({"backend": "hf", "dtype": "float32"}) == []
+
+
 def test_workers_split_the_chunks_and_the_leased_gpus(tmp_path):
     assert rg.worker_devices("0,1", 2) == ["0", "1"]
     assert rg.worker_devices("4,5,6,7", 2) == ["4,5", "6,7"]
