@@ -81,11 +81,10 @@ class TrainingProgress:
         if self.steps_run == 1:
             self.first = self.last = now
             line = first_step_line(step, self.total, epoch, self.epochs, now - self.start)
-        elif step < self.total and now - self.last < self.every:
-            self.tokens += tokens
-            return
         else:
-            self.tokens += tokens
+            self.tokens += tokens  # the pace leaves the first step out
+            if step < self.total and now - self.last < self.every:
+                return
             self.last = now
             line = progress_line(
                 step,
