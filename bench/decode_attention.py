@@ -342,15 +342,17 @@ def greedy(args) -> None:
 
 
 def speed(args) -> None:
-    model = model_of_smollm2_shape(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    model = model_of_smollm2_shape(dtype)
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
     cfg = RegenerateConfig(max_new_tokens=args.new, batch_size=args.batch, compile=DEVICE == "cuda")
     rows, keys, outs = [], [], {}
-    cudnn = rg.cudnn_grouped_decoding(DEVICE, torch.bfloat16, *rg.head_geometry(model.config))
-    print(f"cuDNN takes a bf16 decoding step whole here: {'yes' if cudnn else 'no'}")
-    order = ["hf", "folded", "grouped"]
+    cudnn = rg.cudnn_grouped_decoding(DEVICE, dtype, *rg.head_geometry(model.config))
+    print(f"cuDNN takes a {args.dtype} decoding step whole here: {'yes' if cudnn else 'no'}")
+    # without cuDNN's step, what regeneration runs (grouped) is the folded heads: not run twice
+    order = [v for v in args.variants.split(",") if cudnn or v != "grouped"]
     for rnd in range(args.rounds):
-        for variant in order[rnd % 3 :] + order[: rnd % 3]:  # each first in turn
+        for variant in order[rnd % len(order) :] + order[: rnd % len(order)]:  # each first in turn
             torch._dynamo.reset()  # each variant compiles its own decoding, as a job would
             generate = rg.hf_generate(model, tokenizer, cfg, prompt_width=args.width)
             first, _ = run(variant, generate, prompts_of(args.batch, args.width, 10 + rnd))
@@ -362,14 +364,20 @@ def speed(args) -> None:
                 f"| {rnd + 1} | {variant} | {first:.1f} | {again:.2f} | {tokens / again:,.0f} |",
                 flush=True,
             )
+    key = f"generate.smollm2.b{args.batch}.compiled" + ("" if dtype == torch.bfloat16 else ".fp32")
+    for variant in order:
+        times = [r[3] for r in rows if r[1] == variant]
+        name = {"hf": "hf_sdpa"}.get(variant, variant)
+        keys.append(f"{key}.{name}_seconds_per_call = {statistics.median(times):.2f}")
+    if "hf" not in order:
+        print("\n".join(keys))
+        return
     hf = [r[3] for r in rows if r[1] == "hf"]
     print(
         f"batch {args.batch}, prompts left-padded to {args.width}, {args.new} new tokens: a call "
         f"with HF sdpa {statistics.median(hf):.2f} s (median)"
     )
-    key = f"generate.smollm2.b{args.batch}.compiled"
-    keys.append(f"{key}.hf_sdpa_seconds_per_call = {statistics.median(hf):.2f}")
-    for variant in ("folded", "grouped"):
+    for variant in [v for v in order if v != "hf"]:
         times = [r[3] for r in rows if r[1] == variant]
         same, prefix = agreement(outs["hf"], outs[variant])
         print(
@@ -379,7 +387,6 @@ def speed(args) -> None:
             f"sdpa's {same:.4f}, tokens before the first difference {prefix:.4f}"
         )
         keys += [
-            f"{key}.{variant}_seconds_per_call = {statistics.median(times):.2f}",
             f"{key}.{variant}_speedup = {statistics.median(hf) / statistics.median(times):.2f}",
             f"{key}.{variant}_replies_equal = {same:.4f}",
         ]
@@ -396,6 +403,12 @@ def main() -> int:
     p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
     p.add_argument("--rounds", type=int, default=3, help="speed: rounds of the three variants")
     p.add_argument("--verifier", help="greedy: an HF model folder")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="speed")
+    p.add_argument(
+        "--variants",
+        default="hf,folded,grouped",
+        help="speed: attentions to time, of hf, folded, grouped (comma-separated)",
+    )
     p.add_argument(
         "--fp32-grouped-only",
         action="store_true",
