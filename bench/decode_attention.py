@@ -401,7 +401,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None, help="check: 256, speed: 1024")
     p.add_argument("--width", type=int, default=None, help="prompt tokens (check 512, speed 1024)")
     p.add_argument("--new", type=int, default=None, help="new tokens (check 64, speed 256)")
-    p.add_argument("--rounds", type=int, default=3, help="speed: rounds of the three variants")
+    p.add_argument("--rounds", type=int, default=3, help="speed: rounds of the variants")
     p.add_argument("--verifier", help="greedy: an HF model folder")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="speed")
     p.add_argument(
