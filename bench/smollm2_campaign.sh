@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 C=${CAMPAIGN:-/tmp/campaign}
 R=results/${RUN_NAME:-smollm2-gpu}
 CONFIGS=${CONFIGS:-configs/smollm2-gpu.yaml configs/overlays/regen-2-gpus.yaml}
-PROMPTS=${PROMPTS:-80} # per set, for both acceptance_gap checks
+PROMPTS=${PROMPTS:-80}   # per set, for both acceptance_gap checks
 METHOD=${METHOD:-replay} # of the draft check: replay or decode
 # e.g. "--samples 120 --steps 28 --warmup 8 --profile-steps 0 --variants ours --same-training 50"
 TRAIN_ARGS=${TRAIN_ARGS:-}
@@ -58,6 +58,8 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 # they are spread evenly among the earlier conversations, then the build runs as above:
 #   REGENERATED=/tmp/regenerated.jsonl.gz SIDE=after RUN_NAME=... CONFIGS="..." \
 #     bench/smollm2_campaign.sh start-synthetic N
+# start-prompts N runs only that prompts build (wait brings its answered prompts back as
+# <RUN_NAME>-prompts): a session that samples more prompts, a later one that merges and builds.
 # (a rehearsal on a CPU: GPUS=2 CUDA_VISIBLE_DEVICES=0,1 give the locks two "GPUs", and
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
@@ -93,6 +95,25 @@ until_exists() { # PATH: wait until it exists (true) or the build has ended with
     kill -0 "$SM" 2>/dev/null || return 1
     sleep 5
   done
+}
+
+prompts_build() { # N: N synthetic prompts (regenerate.synthetic_prompts), answered: a build of
+  # their own up to regenerate, on one GPU, whose one ShareGPT conversation a merge leaves out
+  P=${RUN_NAME:-smollm2-gpu}-prompts
+  {
+    echo "run: $P"
+    echo "data: {train: {max_samples: 1}}"
+    echo "extract: {shards: 1}" # the checks before a build ask for no more shards than samples
+    # max_turns 1: the ShareGPT conversation's later turns would each take a generate call
+    echo "regenerate: {enabled: true, synthetic_prompts: $1, workers: 1, gpus: 1, max_turns: 1}"
+  } >"$C/prompts.yaml"
+  echo "$(date +%T) prompts: start" >>"$C/status"
+  # shellcheck disable=SC2086
+  python3 -m snakemake "results/$P/regenerated/conversations.jsonl" --configfile $BASE_CONFIGS \
+    "$C/noserve.yaml" "$C/prompts.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
+    >"$C/snakemake-prompts.log" 2>&1
+  cp "results/$P/regenerated/regenerate.json" "$C/prompts-regenerate.json"
+  echo "$(date +%T) prompts: done" >>"$C/status"
 }
 
 launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
@@ -185,25 +206,20 @@ start-synthetic)
   }
   launch run-synthetic "${2:?number of synthetic prompts}"
   ;;
+start-prompts) # N: only the prompts build of start-synthetic (its answered prompts come back
+  # with wait as <RUN_NAME>-prompts); a later session merges them and builds
+  launch run-prompts "${2:?number of synthetic prompts}"
+  ;;
+run-prompts)
+  trap 'echo "$(date +%T) synthetic prompts: FAILED" >>"$C/status"; touch "$C/done"' ERR
+  prompts_build "$2"
+  touch "$C/done"
+  ;;
 run-synthetic)
   # a failed step ends the campaign at once (wait returns instead of sitting out its time)
   trap 'echo "$(date +%T) synthetic prompts: FAILED" >>"$C/status"; touch "$C/done"' ERR
-  # 1. the synthetic prompts (regenerate.synthetic_prompts), answered: a build of their own up
-  #    to regenerate, on one GPU, whose one ShareGPT conversation the merge leaves out
-  P=${RUN_NAME:-smollm2-gpu}-prompts
-  {
-    echo "run: $P"
-    echo "data: {train: {max_samples: 1}}"
-    echo "extract: {shards: 1}" # the checks before a build ask for no more shards than samples
-    # max_turns 1: the ShareGPT conversation's later turns would each take a generate call
-    echo "regenerate: {enabled: true, synthetic_prompts: $2, workers: 1, gpus: 1, max_turns: 1}"
-  } >"$C/prompts.yaml"
-  echo "$(date +%T) prompts: start" >>"$C/status"
-  # shellcheck disable=SC2086
-  python3 -m snakemake "results/$P/regenerated/conversations.jsonl" --configfile $BASE_CONFIGS \
-    "$C/noserve.yaml" "$C/prompts.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
-    >"$C/snakemake-prompts.log" 2>&1
-  cp "results/$P/regenerated/regenerate.json" "$C/prompts-regenerate.json"
+  # 1. the synthetic prompts, answered
+  prompts_build "$2"
   # 2. spread among the earlier conversations
   bash "$0" merge "$REGENERATED" "results/$P/regenerated/conversations.jsonl" "$C/combined.jsonl.gz" \
     "${SYNTHETIC_TAG:-}" >>"$C/status"
@@ -287,7 +303,7 @@ wait)
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG]" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG]" >&2
   exit 2
   ;;
 esac
