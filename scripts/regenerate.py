@@ -77,7 +77,7 @@ def main() -> None:
         synthesize=make_sampler and rg.synthesizer(make_sampler, tokenizer, cfg, rg.log_stderr),
     )  # fmt: skip
     if cfg.backend == "hf" and a.workers > 1 and worker is None:
-        stats = with_workers(a, fingerprint, run)
+        stats = with_workers(a, cfg, fingerprint, run)
     elif cfg.backend == "vllm":
         stats = with_vllm(a, cfg, json.loads(a.vllm), record, run)
     else:
@@ -93,7 +93,7 @@ def main() -> None:
         provenance.write(a.provenance, "regenerate", section, a.verifier, cfg.seed, stamp=a.stamp)
 
 
-def with_workers(a, fingerprint, run) -> dict:
+def with_workers(a, cfg, fingerprint, run) -> dict:
     """--workers processes of this script (one per GPU) do the chunks; then the output."""
     import os
     import time
@@ -102,6 +102,7 @@ def with_workers(a, fingerprint, run) -> dict:
     from eagle3lib.fileio import fingerprinted_dir
 
     t0 = time.perf_counter()
+    _, dtype = answer_device_dtype(cfg)  # what each worker answers in (refused here first)
     fingerprinted_dir(a.work_dir, fingerprint)  # before the workers share it
     done_before = len(list(a.work_dir.glob("chunk-*.jsonl")))
     threads = ["--threads", str(max(1, a.threads // a.workers))] if a.threads else []
@@ -118,6 +119,7 @@ def with_workers(a, fingerprint, run) -> dict:
         "chunks_reused": done_before,
         "seconds": round(time.perf_counter() - t0, 2),
         "workers": a.workers,
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -134,18 +136,26 @@ def with_vllm(a, cfg, engine: dict, record: dict, run) -> dict:
         return run(rg.vllm_generate(server, cfg), lambda _width: rg.vllm_sample(server, cfg))
 
 
+def answer_device_dtype(cfg):
+    """The device and dtype the hf backend's verifier answers in (regenerate.dtype)."""
+    import torch
+
+    from eagle3lib.hidden_states import resolve_dtype
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return device, resolve_dtype(cfg.dtype, device, "regenerate.dtype")
+
+
 def with_hf(a, cfg, record: dict, tokenizer, run) -> dict:
     """Generate with the HF verifier in this process."""
     import torch
 
     from eagle3lib import regenerate as rg
-    from eagle3lib.hidden_states import resolve_dtype
     from eagle3lib.verifier import device_map_for_job, load_model
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(cfg.dtype, device, "regenerate.dtype")
+    device, dtype = answer_device_dtype(cfg)
     model = load_model(record, dtype, device_map=device_map_for_job())
     width = json.loads(a.data)["max_length"]  # a prompt is shorter (longer ones are skipped)
 
