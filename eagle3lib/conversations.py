@@ -233,7 +233,8 @@ def first_prompt_key(messages: list[dict[str, str]]) -> str | None:
 
 
 def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str]]:
-    """Held-out prompts: MT-bench ({turns}), HumanEval ({prompt}) or conversations (first user turn)."""
+    """Held-out prompts: MT-bench ({turns}), HumanEval ({prompt}) or conversations (first user
+    turn); {id, text}, and the record's category where it has one (MT-bench's)."""
     prompts = []
     for lineno, record in read_records(path):
         if max_prompts is not None and len(prompts) >= max_prompts:
@@ -246,7 +247,10 @@ def read_eval_prompts(path: Path, max_prompts: int | None) -> list[dict[str, str
         text = _prompt_text(path, lineno, record)
         if not isinstance(text, str) or not text.strip():
             raise UserError(f"{path}:{lineno}: empty prompt; write the prompt or remove the line")
-        prompts.append({"id": rid, "text": text})
+        prompt = {"id": rid, "text": text}
+        if isinstance(record.get("category"), str):  # MT-bench's: evaluation reports per category
+            prompt["category"] = record["category"]
+        prompts.append(prompt)
     if not prompts:
         raise UserError(
             f"{path}: no evaluation prompts found; add prompt records ({{turns}}, {{prompt}} or "

@@ -205,6 +205,32 @@ def acceptance_stats(
     }
 
 
+def by_category(
+    prompts: list[dict[str, Any]], accepted: list[list[int]], k: int
+) -> dict[str, dict[str, Any]] | None:
+    """Acceptance per prompt category (MT-bench's eight: its records' ``category``), pooled
+    over the verifier steps of each category's prompts (``accepted``: each prompt's accepted
+    counts per step), in the order categories first appear; None where no prompt has one."""
+    steps: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    for prompt, prompt_accepted in zip(prompts, accepted, strict=True):
+        category = prompt.get("category")
+        if category is not None:
+            steps.setdefault(category, []).extend(prompt_accepted)
+            counts[category] = counts.get(category, 0) + 1
+    if not steps:
+        return None
+    result = {}
+    for category, pooled in steps.items():
+        stats = acceptance_stats(pooled, k)
+        result[category] = {
+            "prompts": counts[category],
+            "steps": stats["steps"],
+            "acceptance_length": stats["acceptance_length"],
+        }
+    return result
+
+
 class TokenCounts:
     """``token_accuracy`` counts summed over prompts, for steps 0..steps-1."""
 
@@ -223,7 +249,7 @@ class TokenCounts:
 
 
 def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str, Any]:
-    per_prompt, all_accepted, mismatches = [], [], 0
+    per_prompt, all_accepted, mismatches, accepted_per_prompt = [], [], 0, []
     counts = TokenCounts(k)
     for n, prompt in enumerate(prompts, 1):
         t = time.perf_counter()
@@ -244,6 +270,7 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
         counts.add(runs, len(prompt["token_ids"]), len(result["tokens"]))
         stats = acceptance_stats(result["accepted"], k)
         all_accepted += result["accepted"]
+        accepted_per_prompt.append(result["accepted"])
         per_prompt.append(
             {
                 "id": prompt["id"],
@@ -262,8 +289,15 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
         **acceptance_stats(all_accepted, k, *counts.first(k)),
         "text_matches_verifier": mismatches == 0,
         "mismatched_prompts": mismatches,
+        **_category_field(prompts, accepted_per_prompt, k),
         "per_prompt": per_prompt,
     }
+
+
+def _category_field(prompts, accepted_per_prompt, k) -> dict[str, Any]:
+    """``{"by_category": ...}`` where the prompts have categories, else nothing."""
+    categories = by_category(prompts, accepted_per_prompt, k)
+    return {"by_category": categories} if categories else {}
 
 
 def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) -> list[dict]:
@@ -278,6 +312,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
     capture.states.clear()
     log(f"evaluate: greedy decoding of {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
     accepted: dict[int, list[int]] = {k: [] for k in ks}
+    accepted_per_prompt: dict[int, list[list[int]]] = {k: [] for k in ks}
     per_prompt, disagree, compared = [], 0, 0
     counts = TokenCounts(steps)
     for n, (prompt, new) in enumerate(zip(prompts, generated, strict=True), 1):
@@ -293,6 +328,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
                 runs, tokens, len(prompt["token_ids"]), k, cfg.max_new_tokens, eos
             )
             accepted[k] += steps_k
+            accepted_per_prompt[k].append(steps_k)
             stats = acceptance_stats(steps_k, k)
             record[f"k{k}"] = {
                 "steps": stats["steps"],
@@ -311,6 +347,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
                 "text_matches_verifier": None,  # greedy by construction: not checked
                 "mismatched_prompts": None,
                 "argmax_agreement": 1 - disagree / compared if compared else None,
+                **_category_field(prompts, accepted_per_prompt[k], k),
                 "per_prompt": [
                     {
                         "id": r["id"],

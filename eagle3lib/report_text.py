@@ -152,6 +152,35 @@ def eval_set_lines(summary: dict[str, Any]) -> list[str]:
     ]
 
 
+def category_tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """(eval set, headers, rows) per eval set whose prompts have categories (MT-bench's):
+    a row per k, the acceptance length of each category pooled over its verifier steps."""
+    tables: dict[str, tuple[list[str], list[list[Any]]]] = {}
+    for r in summary["acceptance"].get("results", []):
+        categories = r.get("by_category")
+        if not categories:
+            continue
+        headers = ["k"] + [f"{c} ({v['prompts']})" for c, v in categories.items()]
+        row = [r["k"]] + [fmt(v["acceptance_length"], 3) for v in categories.values()]
+        tables.setdefault(r["eval_set"], (headers, []))[1].append(row)
+    return [(name, headers, rows) for name, (headers, rows) in tables.items()]
+
+
+def category_lines(summary: dict[str, Any]) -> list[str]:
+    """Acceptance length per prompt category, for the eval sets that have categories."""
+    lines = []
+    for name, headers, rows in category_tables(summary):
+        lines += [
+            f"## Acceptance length by category: {name} (prompts per category in brackets)",
+            "",
+            "| " + " | ".join(headers) + " |",
+            "|" + "---|" * len(headers),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+            "",
+        ]
+    return lines
+
+
 def vllm_lines(summary: dict[str, Any]) -> list[str]:
     """vLLM's acceptance against the offline evaluator's, and how to serve the draft."""
     v = summary.get("vllm")
@@ -245,6 +274,7 @@ def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
     lines = [
         *headline_lines(summary),
         *eval_set_lines(summary),
+        *category_lines(summary),
         *vllm_lines(summary),
         *problem_lines(summary["problems"]),
         *gpu_memory_lines(summary["gpu_memory"]),
@@ -329,6 +359,10 @@ def html_tables(summary: dict[str, Any]) -> str:
         (
             "Offline acceptance per eval set and k",
             _table(ACCEPTANCE_HEADERS, acceptance_rows(summary)),
+        ),
+        *(
+            (f"Acceptance length by category: {name}", _table(headers, rows))
+            for name, headers, rows in category_tables(summary)
         ),
         ("Seconds per job", _table(["job", "seconds"], seconds)),
         ("Disk per stage", _table(["stage", "MB"], disk)),

@@ -381,7 +381,7 @@ def test_eval_prompt_formats(tmp_path):
     path = tiny.write_jsonl(
         tmp_path / "p.jsonl",
         [
-            {"question_id": 81, "turns": ["first turn", "second turn"]},
+            {"question_id": 81, "category": "writing", "turns": ["first turn", "second turn"]},
             {"task_id": "HumanEval/0", "prompt": "def f():\n"},
             {
                 "id": "x",
@@ -398,6 +398,8 @@ def test_eval_prompt_formats(tmp_path):
         ("HumanEval/0", "def f():\n"),
         ("x", "hi"),
     ]
+    # MT-bench's category goes with its prompt (evaluation reports per category); none elsewhere
+    assert [p.get("category") for p in prompts] == ["writing", None, None]
     assert len(conversations.read_eval_prompts(path, 2)) == 2
 
 

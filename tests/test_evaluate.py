@@ -328,6 +328,16 @@ def test_chain_runs_count_leading_matches_and_stop_after_an_accepted_eos():
     assert evaluate.chain_runs(predictions, tokens, {2}) == [3, 3, 0, 1, 1, 0]
 
 
+def test_acceptance_by_category_pools_the_verifier_steps_of_its_prompts():
+    prompts_ = [{"category": "math"}, {"category": "stem"}, {"category": "math"}, {}]
+    accepted = [[2, 0], [1], [3], [3, 3]]
+    assert evaluate.by_category(prompts_, accepted, 3) == {
+        "math": {"prompts": 2, "steps": 3, "acceptance_length": pytest.approx(1 + 5 / 3)},
+        "stem": {"prompts": 1, "steps": 1, "acceptance_length": 2.0},
+    }
+    assert evaluate.by_category([{}, {}], [[1], [2]], 3) is None
+
+
 def test_replay_steps_walk_the_decode_loop():
     prompt = [7, 8]
     tokens = prompt + [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
@@ -375,6 +385,8 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
         {"name": "a", "prompts": prompts(tokenizer, 2)},
         {"name": "b", "prompts": prompts(tokenizer, 3)[2:]},
     ]
+    for prompt, category in zip(sets[0]["prompts"], ("x", "y"), strict=True):
+        prompt["category"] = category  # as MT-bench's records carry one; "b"'s have none
     results = {}
     for method in ("decode", "replay"):
         cfg = EvaluateConfig(k=[3, 1, 5], max_new_tokens=20, method=method, batch_size=2)
@@ -395,6 +407,15 @@ def test_replay_gives_the_decode_loops_counts(fitted_draft, verifier_model, toke
     assert [[r[k] for k in keys] for r in replay["results"]] == [
         [r[k] for k in keys] for r in decode["results"]
     ]
+    assert [r.get("by_category") for r in replay["results"]] == [
+        r.get("by_category") for r in decode["results"]
+    ]
+    assert [r["eval_set"] for r in decode["results"] if "by_category" in r] == ["a"] * 3
+    # one prompt per category: each category's figures are its prompt's
+    assert decode["by_category"] == {
+        c: {"prompts": 1, "steps": p["steps"], "acceptance_length": p["acceptance_length"]}
+        for c, p in zip(("x", "y"), decode["per_prompt"], strict=True)
+    }
     assert [(r["eval_set"], r["k"]) for r in replay["results"]] == [
         ("a", 3),
         ("a", 1),

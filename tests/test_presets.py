@@ -171,9 +171,16 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
         # and tests/test_evaluate.py compare drafts that do accept with untrained ones.
         assert r["acceptance_length"] <= 1.15, r
         assert 25 <= r["steps"] <= r["prompts"] * (16 - 1), r  # at most: one token a step
+    for r in acceptance["results"]:  # MT-bench's first two prompts are both "writing" ones
+        assert r.get("by_category", {}).keys() == (
+            {"writing"} if r["eval_set"] == "mtbench" else set()
+        )
+    [writing] = [r["by_category"]["writing"] for r in acceptance["results"][:1]]
+    assert writing["prompts"] == 2 and writing["steps"] == acceptance["steps"]
     summary = (results / "reports" / "summary.md").read_text()
     assert "| humaneval | 5 |" in summary  # the report's table of every eval set and k
     assert "| ifbench | 3 |" in summary
+    assert "## Acceptance length by category: mtbench (prompts per category in brackets)" in summary
     report = json.loads((results / "reports" / "summary.json").read_text())
     assert report["valid"] is True and report["min_acceptance_length"] == {}
     assert report["data"]["eval_overlap"]["dropped_per_eval_set"] == {

@@ -183,3 +183,29 @@ def test_eval_overlap_is_published_per_eval_set_name():
 )
 def test_vllm_computes_in_the_offline_evaluators_dtype(engine, evaluate, cuda, expected):
     assert compute_dtype(engine, evaluate, cuda) == expected
+
+
+def test_the_report_tabulates_acceptance_by_category_where_the_eval_set_has_them():
+    def result(eval_set, k, categories=None):
+        r = {"eval_set": eval_set, "k": k}
+        return {**r, "by_category": categories} if categories else r
+
+    def cat(prompts, length):
+        return {"prompts": prompts, "steps": 100, "acceptance_length": length}
+
+    results = [
+        result("mtbench", 3, {"writing": cat(10, 2.5354), "math": cat(9, 2.51)}),
+        result("mtbench", 5, {"writing": cat(10, 2.9), "math": cat(9, 3.0)}),
+        result("humaneval", 3),
+    ]
+    summary = {"acceptance": {"results": results}}
+    assert report_text.category_lines(summary) == [
+        "## Acceptance length by category: mtbench (prompts per category in brackets)",
+        "",
+        "| k | writing (10) | math (9) |",
+        "|---|---|---|",
+        "| 3 | 2.535 | 2.510 |",
+        "| 5 | 2.900 | 3.000 |",
+        "",
+    ]
+    assert report_text.category_lines({"acceptance": {"results": results[2:]}}) == []
