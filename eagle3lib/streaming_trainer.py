@@ -43,12 +43,21 @@ def progress_line(
     )
 
 
-def first_step_line(step: int, total: int, epoch: int, epochs: int, seconds: float) -> str:
+def first_step_line(
+    step: int, total: int, epoch: int, epochs: int, seconds: float, data_wait: float | None = None
+) -> str:
     """The line after this process's first step, which also compiles and fills the loader: its
-    time, and no pace (one extrapolated from it was hours off on a GPU)."""
+    time, of it ``data_wait`` seconds waiting for its batch where known, and no pace (one
+    extrapolated from it was hours off on a GPU)."""
+    included = (
+        "compilation and loading included"
+        if data_wait is None
+        else f"{duration(data_wait)} of it waiting for its batch, the rest set-up, compilation "
+        "and the step"
+    )
     return (
         f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), first step in "
-        f"{duration(seconds)} (compilation and loading included); pace from the next steps"
+        f"{duration(seconds)} ({included}); pace from the next steps"
     )
 
 
@@ -72,15 +81,18 @@ class TrainingProgress:
         total = steps_before + (self.epochs - epoch) * steps_in_epoch
         self.total = min(total, self.max_steps) if self.max_steps is not None else total
 
-    def step(self, step: int, epoch: int, tokens: int) -> None:
-        """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens)."""
+    def step(self, step: int, epoch: int, tokens: int, data_wait: float | None = None) -> None:
+        """``step`` steps are done (the last one of ``epoch``, with ``tokens`` real tokens);
+        ``data_wait``: the host's seconds waiting for batches so far."""
         import sys
 
         self.steps_run += 1
         now = time.perf_counter()
         if self.steps_run == 1:
             self.first = self.last = now
-            line = first_step_line(step, self.total, epoch, self.epochs, now - self.start)
+            line = first_step_line(
+                step, self.total, epoch, self.epochs, now - self.start, data_wait
+            )
         else:
             self.tokens += tokens  # the pace leaves the first step out
             if step < self.total and now - self.last < self.every:
@@ -334,7 +346,7 @@ class StreamingTrainer(Trainer):
                 interval_wait = self.data_wait_seconds
             self.global_step += 1
             if self.progress is not None:
-                self.progress.step(self.global_step, epoch, tokens)
+                self.progress.step(self.global_step, epoch, tokens, self.data_wait_seconds)
             if step_callback is not None:
                 step_callback()
             if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
