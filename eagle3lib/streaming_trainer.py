@@ -52,7 +52,7 @@ def first_step_line(
     included = (
         "compilation and loading included"
         if data_wait is None
-        else f"{duration(data_wait)} of it waiting for its batch, the rest set-up, compilation "
+        else f"{duration(data_wait)} of it waiting for its batch, the rest set-up, any compilation "
         "and the step"
     )
     return (
