@@ -180,6 +180,18 @@ print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones "
       f"({repeats} left out, their prompt already there)")
 PY
   ;;
+without-synthetic) # IN OUT: IN's conversations but the synthetic ones (ids synthetic-*), in
+  # order, gzip (the regenerated ShareGPT conversations of a merged file: an ablation's data)
+  python3 - "${2:?IN}" "${3:?OUT}" <<'PY'
+import gzip, json, sys
+from pathlib import Path
+from eagle3lib.conversations import read_records
+kept = [r for _, r in read_records(Path(sys.argv[1])) if not str(r["id"]).startswith("synthetic-")]
+with gzip.open(sys.argv[2], "wt", encoding="utf-8") as fh:
+    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+print(f"without synthetic conversations: {len(kept)}")
+PY
+  ;;
 start)
   launch run
   ;;
@@ -303,7 +315,7 @@ wait)
   df -h . | tail -1
   ;;
 *)
-  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG]" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG] | without-synthetic IN OUT" >&2
   exit 2
   ;;
 esac
