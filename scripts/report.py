@@ -72,11 +72,17 @@ def main() -> None:
         min_acceptance_length=json.loads(a.min_acceptance_length),
     )
     with atomic_path(a.out_plot_acceptance) as tmp:
-        report_plots.plot_acceptance(summary["per_position_acceptance"], summary["k"], tmp)
+        report_plots.plot_acceptance(
+            summary["per_position_acceptance"],
+            summary["k"],
+            tmp,
+            summary["acceptance"].get("by_category"),
+        )
     with atomic_path(a.out_plot_loss) as tmp:
         report_plots.plot_loss(curves, tmp)
+    per_category = " and per category" if summary["acceptance"].get("by_category") else ""
     plots = {
-        "Per-position acceptance": a.out_plot_acceptance.name,
+        f"Acceptance per position{per_category}": a.out_plot_acceptance.name,
         "Training loss": a.out_plot_loss.name,
     }
     with atomic_path(a.out_markdown) as tmp:

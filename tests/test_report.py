@@ -209,3 +209,18 @@ def test_the_report_tabulates_acceptance_by_category_where_the_eval_set_has_them
         "",
     ]
     assert report_text.category_lines({"acceptance": {"results": results[2:]}}) == []
+
+
+def test_the_acceptance_plot_adds_a_panel_of_categories_where_there_are_some(tmp_path):
+    import struct
+
+    from eagle3lib.report_plots import plot_acceptance
+
+    def size(path):  # a PNG's width and height, from its IHDR chunk
+        return struct.unpack(">II", path.read_bytes()[16:24])
+
+    categories = {"writing": {"acceptance_length": 2.5}, "stem": {"acceptance_length": 2.4}}
+    plot_acceptance([0.7, 0.5, 0.4], 3, tmp_path / "one.png")
+    plot_acceptance([0.7, 0.5, 0.4], 3, tmp_path / "two.png", categories)
+    assert size(tmp_path / "one.png") == (540, 360)  # 4.5 x 3 inches at 120 dpi
+    assert size(tmp_path / "two.png") == (1200, 360)  # 10 x 3: the category panel beside it
