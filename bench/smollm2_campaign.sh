@@ -293,9 +293,11 @@ wait)
   while [ ! -e "$C/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
   # one archive: a call brings back only a few files, and none of the big ones
   small=()
-  for f in reports logs benchmarks train/summary.json regenerated/regenerate.json \
-    hidden_states/shard-0.json; do
+  for f in reports logs benchmarks train/summary.json regenerated/regenerate.json; do
     test -e "$R/$f" && small+=("$R/$f")
+  done
+  for f in "$R"/hidden_states/shard-*.json; do # every shard's manifest, its sha256 included
+    test -e "$f" && small+=("$f")
   done
   P=results/${RUN_NAME:-smollm2-gpu}-prompts # start-synthetic's prompts build
   for f in logs/regenerate.log regenerated/regenerate.json; do
