@@ -249,7 +249,7 @@ class TokenCounts:
 
 
 def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str, Any]:
-    per_prompt, all_accepted, mismatches, accepted_per_prompt = [], [], 0, []
+    per_prompt, accepted, mismatches = [], [], 0  # accepted: each prompt's counts per step
     counts = TokenCounts(k)
     for n, prompt in enumerate(prompts, 1):
         t = time.perf_counter()
@@ -269,8 +269,7 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
         runs = chain_runs(predictions, torch.tensor(text, device=predictions.device), eos)
         counts.add(runs, len(prompt["token_ids"]), len(result["tokens"]))
         stats = acceptance_stats(result["accepted"], k)
-        all_accepted += result["accepted"]
-        accepted_per_prompt.append(result["accepted"])
+        accepted.append(result["accepted"])
         per_prompt.append(
             {
                 "id": prompt["id"],
@@ -286,12 +285,17 @@ def _decode_set(model, capture, drafter, prompts, k, cfg, eos, log) -> dict[str,
             f"acceptance_length={fmt(stats['acceptance_length'])} match={match}"
         )
     return {
-        **acceptance_stats(all_accepted, k, *counts.first(k)),
+        **acceptance_stats(_pooled(accepted), k, *counts.first(k)),
         "text_matches_verifier": mismatches == 0,
         "mismatched_prompts": mismatches,
-        **_category_field(prompts, accepted_per_prompt, k),
+        **_category_field(prompts, accepted, k),
         "per_prompt": per_prompt,
     }
+
+
+def _pooled(accepted: list[list[int]]) -> list[int]:
+    """Every prompt's accepted counts per step, one list (the set's verifier steps)."""
+    return [a for prompt_accepted in accepted for a in prompt_accepted]
 
 
 def _category_field(prompts, accepted_per_prompt, k) -> dict[str, Any]:
@@ -311,8 +315,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
     generated = generate([p["token_ids"] for p in prompts])
     capture.states.clear()
     log(f"evaluate: greedy decoding of {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
-    accepted: dict[int, list[int]] = {k: [] for k in ks}
-    accepted_per_prompt: dict[int, list[list[int]]] = {k: [] for k in ks}
+    accepted: dict[int, list[list[int]]] = {k: [] for k in ks}  # per prompt, per step
     per_prompt, disagree, compared = [], 0, 0
     counts = TokenCounts(steps)
     for n, (prompt, new) in enumerate(zip(prompts, generated, strict=True), 1):
@@ -327,8 +330,7 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
             steps_k, out = replay_steps(
                 runs, tokens, len(prompt["token_ids"]), k, cfg.max_new_tokens, eos
             )
-            accepted[k] += steps_k
-            accepted_per_prompt[k].append(steps_k)
+            accepted[k].append(steps_k)
             stats = acceptance_stats(steps_k, k)
             record[f"k{k}"] = {
                 "steps": stats["steps"],
@@ -343,11 +345,11 @@ def _replay_set(model, tokenizer, capture, drafter, prompts, ks, cfg, eos, log) 
     for k in ks:
         results.append(
             {
-                **acceptance_stats(accepted[k], k, *counts.first(k)),
+                **acceptance_stats(_pooled(accepted[k]), k, *counts.first(k)),
                 "text_matches_verifier": None,  # greedy by construction: not checked
                 "mismatched_prompts": None,
                 "argmax_agreement": 1 - disagree / compared if compared else None,
-                **_category_field(prompts, accepted_per_prompt[k], k),
+                **_category_field(prompts, accepted[k], k),
                 "per_prompt": [
                     {
                         "id": r["id"],
