@@ -71,6 +71,30 @@ def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
     assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
 
 
+def test_the_60k_build_file_sets_its_own_gate_over_the_overlays():
+    """bench/conversations/smollm2-gpu-synthetic-more/build.yaml, given after regen-all.yaml
+    and synthetic-steered.yaml, gates on its own first build, not on the steered one's."""
+    from snakemake.utils import update_config
+
+    from eagle3lib.config import acceptance_gate, config_errors
+
+    config = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
+    for path in (
+        "configs/overlays/regen-all.yaml",
+        "configs/overlays/synthetic-steered.yaml",
+        "bench/conversations/smollm2-gpu-synthetic-more/build.yaml",
+    ):
+        update_config(config, yaml.safe_load((ROOT / path).read_text()))
+    assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
+    assert config["run"] == "smollm2-gpu-synthetic-more"
+    assert config["train"]["num_layers"] == 2
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == {
+        "mtbench": {"3": 2.651, "5": 3.188},
+        "humaneval": {"3": 3.017, "5": 3.849},
+        "ifbench": {"3": 2.911, "5": 3.642},
+    }
+
+
 def test_planning_warns_when_extraction_and_evaluation_run_the_verifier_in_two_dtypes(tmp_path):
     """The SmolLM2 preset once extracted in bf16 (extract.dtype auto on a GPU) and evaluated
     in fp32: the draft learnt one verifier and was measured against another."""
