@@ -316,8 +316,28 @@ wait)
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   df -h . | tail -1
   ;;
+checkpoint-back) # I: the build's checkpoint and offline acceptance (acceptance.json), gzip'd
+  # tar in parts of 15 MiB, parts 4I to 4I+3 to $OUT (a call brings back 64 MiB) with the whole
+  # archive's sha256; bench/serve_gpu_draft.py serves it with vLLM on a CPU
+  test -e "$R/checkpoint/model.safetensors" || {
+    echo "error: $R/checkpoint/model.safetensors is missing: no finished build to bring back" >&2
+    exit 1
+  }
+  if [ ! -e "$C/checkpoint.sha256" ]; then
+    tar -cf - "$R/checkpoint" "$R/reports/acceptance.json" "$R/reports/summary.json" |
+      gzip -1 -n >"$C/checkpoint.tar.gz"
+    split -b 15M -d -a 2 "$C/checkpoint.tar.gz" "$C/checkpoint.tar.gz.part-"
+    (cd "$C" && sha256sum checkpoint.tar.gz >checkpoint.sha256)
+  fi
+  for n in $(seq $((4 * ${2:-0})) $((4 * ${2:-0} + 3))); do
+    part=$(printf '%s/checkpoint.tar.gz.part-%02d' "$C" "$n")
+    if test -e "$part"; then cp "$part" "${OUT:?}/"; fi
+  done
+  cp "$C/checkpoint.sha256" "$OUT/"
+  ls -l "$C"/checkpoint.tar.gz* "$OUT"
+  ;;
 *)
-  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG] | without-synthetic IN OUT" >&2
+  echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG] | without-synthetic IN OUT | checkpoint-back [I]" >&2
   exit 2
   ;;
 esac

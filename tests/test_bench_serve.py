@@ -1,0 +1,125 @@
+"""A GPU build's checkpoint brought back in parts (bench/smollm2_campaign.sh checkpoint-back)
+and unpacked for vLLM on the CPU (bench/serve_gpu_draft.py): the bytes arrive unchanged, and a
+missing or damaged part is refused by name."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def serve_gpu_draft():
+    spec = importlib.util.spec_from_file_location(
+        "serve_gpu_draft", ROOT / "bench/serve_gpu_draft.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def checkpoint_back(tree: Path, part_set: int) -> Path:
+    """The campaign script's checkpoint-back, run in a copy of bench/ beside a fake build (it
+    works relative to its own folder's parent, as on the device machine)."""
+    out = tree / f"out-{part_set}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": "r"}
+    proc = subprocess.run(
+        ["bash", str(tree / "bench/smollm2_campaign.sh"), "checkpoint-back", str(part_set)],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    tree = tmp_path_factory.mktemp("device")
+    (tree / "bench").mkdir()
+    shutil.copy(ROOT / "bench/smollm2_campaign.sh", tree / "bench")
+    (tree / "campaign").mkdir()
+    run = tree / "results/r"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "reports").mkdir()
+    # incompressible: 70 MiB of gzip'd tar is five parts of 15 MiB, two calls' worth
+    (run / "checkpoint/model.safetensors").write_bytes(os.urandom(70 << 20))
+    (run / "checkpoint/config.json").write_text('{"architectures": ["Eagle3Speculator"]}')
+    (run / "reports/acceptance.json").write_text(json.dumps({"acceptance_length": 2.75}))
+    (run / "reports/summary.json").write_text("{}")
+    return tree
+
+
+def test_the_parts_of_two_calls_unpack_to_the_same_bytes(build, serve_gpu_draft, tmp_path):
+    first, second = checkpoint_back(build, 0), checkpoint_back(build, 1)
+    assert sorted(p.name for p in first.iterdir()) == [
+        "checkpoint.sha256",
+        *(f"checkpoint.tar.gz.part-0{n}" for n in range(4)),
+    ]
+    assert sorted(p.name for p in second.iterdir()) == [
+        "checkpoint.sha256",
+        "checkpoint.tar.gz.part-04",
+    ]
+    assert all(p.stat().st_size <= 15 << 20 for p in [*first.iterdir(), *second.iterdir()])
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for p in [*first.iterdir(), *second.iterdir()]:
+        shutil.copy(p, parts)
+    run = serve_gpu_draft.unpack(parts, tmp_path / "unpacked")
+    assert run.name == "r"
+    for name in (
+        "checkpoint/model.safetensors",
+        "checkpoint/config.json",
+        "reports/acceptance.json",
+    ):
+        assert (run / name).read_bytes() == (build / "results/r" / name).read_bytes()
+
+
+def brought_back(build, to: Path) -> Path:
+    to.mkdir()
+    for part_set in (0, 1):
+        for p in checkpoint_back(build, part_set).iterdir():
+            shutil.copy(p, to)
+    return to
+
+
+def test_a_missing_part_is_refused(build, serve_gpu_draft, tmp_path):
+    parts = brought_back(build, tmp_path / "parts")
+    (parts / "checkpoint.tar.gz.part-04").unlink()
+    with pytest.raises(SystemExit) as exc:
+        serve_gpu_draft.unpack(parts, tmp_path / "unpacked")
+    assert str(exc.value).startswith(f"error: 4 parts in {parts} hash to ")
+    assert str(exc.value).endswith("one is missing or damaged; bring them back again")
+    assert not (tmp_path / "unpacked").exists()
+
+
+def test_a_damaged_part_is_refused(build, serve_gpu_draft, tmp_path):
+    parts = brought_back(build, tmp_path / "parts")
+    part = parts / "checkpoint.tar.gz.part-02"
+    data = bytearray(part.read_bytes())
+    data[1000] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=f"error: 5 parts in {parts} hash to "):
+        serve_gpu_draft.unpack(parts, tmp_path / "unpacked")
+    assert not (tmp_path / "unpacked").exists()
+
+
+def test_checkpoint_back_without_a_finished_build_says_so(tmp_path):
+    (tmp_path / "bench").mkdir()
+    shutil.copy(ROOT / "bench/smollm2_campaign.sh", tmp_path / "bench")
+    env = {**os.environ, "CAMPAIGN": str(tmp_path), "OUT": str(tmp_path), "RUN_NAME": "none"}
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "bench/smollm2_campaign.sh"), "checkpoint-back", "0"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: results/none/checkpoint/model.safetensors is missing: no finished build to "
+        "bring back"
+    )
