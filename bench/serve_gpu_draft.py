@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -51,6 +52,7 @@ def unpack(parts_dir: Path, dest: Path) -> Path:
     if got != want:
         sys.exit(f"error: {len(parts)} parts in {parts_dir} hash to {got}, not {want}: one is "
                  "missing or damaged; bring them back again")  # fmt: skip
+    shutil.rmtree(dest, ignore_errors=True)  # one build at a time
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
         tar.extractall(dest, filter="data")
     [run] = list((dest / "results").iterdir())
