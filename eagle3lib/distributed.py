@@ -4,6 +4,7 @@ down. speculators' own set-up serves GPUs; on CPU a gloo group fills the same st
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import torch
@@ -56,5 +57,10 @@ def barrier() -> None:
 
 
 def teardown_distributed() -> None:
+    # A DDP module that outlives its process group (kept by a reference cycle until a later
+    # collection) frees the group from its reducer holding the GIL; gloo's destructor then
+    # joins worker threads, one of which may need the GIL to drop its last allreduce: a hang
+    # (https://github.com/pytorch/pytorch/issues/56297). Free such modules first.
+    gc.collect()
     sd.maybe_destroy_distributed()
     _GROUP.close()

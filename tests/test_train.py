@@ -191,19 +191,28 @@ def test_training_never_changes_the_drafts_buffers(pipeline, tmp_path):
         assert torch.equal(value, seen["after"][name]), name
 
 
-def test_ddp_stops_broadcasting_buffers_when_asked():
-    import torch.distributed as dist
+def _buffer_broadcast_switch():
     from torch.nn.parallel import DistributedDataParallel
+
+    module = torch.nn.Linear(2, 2)
+    module.register_buffer("table", torch.arange(3))
+    ddp = DistributedDataParallel(module)
+    assert ddp.will_sync_module_buffers()
+    streaming_trainer.stop_buffer_broadcast(ddp)
+    assert not ddp.will_sync_module_buffers()
+    ddp(torch.ones(1, 2)).sum().backward()  # still trains
+
+
+def test_ddp_stops_broadcasting_buffers_when_asked():
+    """The DDP module is freed (on the helper's return) before its process group is destroyed:
+    freed after, its reducer would run the gloo group's destructor holding the GIL, which can
+    hang on a worker thread that needs the GIL to drop its last allreduce
+    (https://github.com/pytorch/pytorch/issues/56297); it hung this suite once."""
+    import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        module = torch.nn.Linear(2, 2)
-        module.register_buffer("table", torch.arange(3))
-        ddp = DistributedDataParallel(module)
-        assert ddp.will_sync_module_buffers()
-        streaming_trainer.stop_buffer_broadcast(ddp)
-        assert not ddp.will_sync_module_buffers()
-        ddp(torch.ones(1, 2)).sum().backward()  # still trains
+        _buffer_broadcast_switch()
     finally:
         dist.destroy_process_group()
 
