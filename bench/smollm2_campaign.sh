@@ -323,7 +323,8 @@ checkpoint-back) # I: the build's checkpoint and offline acceptance (acceptance.
     echo "error: $R/checkpoint/model.safetensors is missing: no finished build to bring back" >&2
     exit 1
   }
-  if [ ! -e "$C/checkpoint.sha256" ]; then
+  if [ ! -e "$C/checkpoint.sha256" ]; then # (written last: a cut-short call packs again)
+    rm -f "$C"/checkpoint.tar.gz.part-*
     tar -cf - "$R/checkpoint" "$R/reports/acceptance.json" "$R/reports/summary.json" |
       gzip -1 -n >"$C/checkpoint.tar.gz"
     split -b 15M -d -a 2 "$C/checkpoint.tar.gz" "$C/checkpoint.tar.gz.part-"
