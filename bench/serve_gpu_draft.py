@@ -59,6 +59,11 @@ def unpack(parts_dir: Path, dest: Path) -> Path:
     return run
 
 
+def served(run: str) -> dict:
+    """What this script changes of the build's config: its own run folder, vLLM on the CPU."""
+    return {"run": run, "serve_check": {"enabled": True, "gpus": 0}}
+
+
 def merged_config(paths: list[str], run: str) -> dict:
     """The config files merged as snakemake merges them, defaults filled in by the schema."""
     import yaml
@@ -67,7 +72,7 @@ def merged_config(paths: list[str], run: str) -> dict:
     config: dict = {}
     for path in paths:
         update_config(config, yaml.safe_load((ROOT / path).read_text()))
-    update_config(config, {"run": run, "serve_check": {"enabled": True, "gpus": 0}})
+    update_config(config, served(run))
     validate(config, schema=str(ROOT / "rules/schemas/config.schema.yaml"), set_default=True)
     return config
 
@@ -85,7 +90,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = merged_config(a.configs, run)
     override = out / "served.yaml"
-    override.write_text(json.dumps({"run": run, "serve_check": {"enabled": True, "gpus": 0}}))
+    override.write_text(json.dumps(served(run)))
 
     # the verifier, as the build made it (the workflow's verifier rule)
     verifier = out / "verifier" / "verifier.json"

@@ -211,24 +211,19 @@ def by_category(
     """Acceptance per prompt category (MT-bench's eight: its records' ``category``), pooled
     over the verifier steps of each category's prompts (``accepted``: each prompt's accepted
     counts per step), in the order categories first appear; None where no prompt has one."""
-    steps: dict[str, list[int]] = {}
-    counts: dict[str, int] = {}
+    groups: dict[str, list[list[int]]] = {}
     for prompt, prompt_accepted in zip(prompts, accepted, strict=True):
-        category = prompt.get("category")
-        if category is not None:
-            steps.setdefault(category, []).extend(prompt_accepted)
-            counts[category] = counts.get(category, 0) + 1
-    if not steps:
-        return None
+        if prompt.get("category") is not None:
+            groups.setdefault(prompt["category"], []).append(prompt_accepted)
     result = {}
-    for category, pooled in steps.items():
-        stats = acceptance_stats(pooled, k)
+    for category, group in groups.items():
+        stats = acceptance_stats(_pooled(group), k)
         result[category] = {
-            "prompts": counts[category],
+            "prompts": len(group),
             "steps": stats["steps"],
             "acceptance_length": stats["acceptance_length"],
         }
-    return result
+    return result or None
 
 
 class TokenCounts:
