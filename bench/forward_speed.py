@@ -40,7 +40,7 @@ import extract as bench_extract  # noqa: E402
 
 from eagle3lib.config import resolve_aux_layers  # noqa: E402
 from eagle3lib.hidden_states import Capture, forward_states, length_batches  # noqa: E402
-from eagle3lib.verifier import decoder_layers, text_decoder  # noqa: E402
+from eagle3lib.verifier import allow_recompiles, decoder_layers, text_decoder  # noqa: E402
 
 VARIANTS = ("eager", "norm", "mlp", "norm+mlp", "layer", "fused_gate_up+norm")
 
@@ -142,9 +142,7 @@ def main() -> None:
     p.add_argument("--fp32-reference", action="store_true", help="compare with an fp32 forward")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    torch._dynamo.config.cache_size_limit = 256  # noqa: SLF001 - one graph per layer object
-    if hasattr(torch._dynamo.config, "recompile_limit"):  # noqa: SLF001
-        torch._dynamo.config.recompile_limit = 256  # noqa: SLF001
+    allow_recompiles(256)  # one graph per layer object
     shape = bench_extract.TINY if a.smoke else bench_extract.LLAMA_8B
     if a.smoke:
         a.tokens, a.batch_tokens = min(a.tokens, 6000), 2048

@@ -754,7 +754,7 @@ def main() -> None:
         p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
 
     from eagle3lib import batches, vocab
-    from eagle3lib.verifier import materialize
+    from eagle3lib.verifier import allow_recompiles, materialize
 
     t_start = time.perf_counter()
     out = Path(args.out)
@@ -773,12 +773,7 @@ def main() -> None:
     d2t, t2d = vocab.build(freq, args.draft_vocab)
     vocab_map = {"d2t": d2t, "t2d": t2d}
 
-    if torch.cuda.is_available():  # every run builds a new draft: never fall back to eager
-        from torch._dynamo import config as dynamo
-
-        for limit in ("recompile_limit", "cache_size_limit"):
-            if hasattr(dynamo, limit):
-                setattr(dynamo, limit, 1024)
+    allow_recompiles(1024)  # every run builds a new draft: never fall back to eager
     results = []
     partial = out / f"bench_train.partial-{os.environ.get('RANK', '0')}.json"
     for index, name in enumerate(names):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -382,6 +383,41 @@ def device_map_for_job():
     return "auto" if torch.cuda.device_count() > 1 else {"": 0}
 
 
+def allow_recompiles(limit: int) -> None:
+    """Let dynamo compile a frame up to ``limit`` times in this process (never lowered). Past
+    its limit (8 by default) dynamo runs the frame eagerly for good, and flex attention then
+    falls back to an unfused kernel that materialises the whole score matrix."""
+    import torch
+
+    config = torch._dynamo.config  # noqa: SLF001
+    for key in ("cache_size_limit", "recompile_limit"):
+        if hasattr(config, key):
+            setattr(config, key, max(getattr(config, key), limit))
+
+
+@contextlib.contextmanager
+def compile_fallbacks():
+    """Inside the block, the functions dynamo stopped compiling because they reached its
+    recompile limit (it runs them uncompiled from then on), as the list yielded: one line each,
+    "'name' (file:line)", from dynamo's own warning."""
+    found: list[str] = []
+
+    class Hits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines = record.getMessage().splitlines()
+            if lines and lines[0].startswith("torch._dynamo hit config."):
+                where = [x.split("function:", 1)[1].strip() for x in lines if "function:" in x]
+                found.append(where[0] if where else lines[0])
+
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    handler = Hits(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+
+
 @contextlib.contextmanager
 def compiled_layers(model):
     """Each decoder layer's forward under torch.compile (dynamic shapes) inside the block; the
@@ -392,10 +428,7 @@ def compiled_layers(model):
     layers = decoder_layers(model)
     # The layers share one compiled graph where dynamo inlines the modules (torch's default);
     # room for an entry per layer object and per batch-size-1 specialisation where it cannot.
-    limit = 4 * len(layers) + 8
-    for key in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, key):  # noqa: SLF001
-            setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), limit))  # noqa: SLF001
+    allow_recompiles(4 * len(layers) + 8)
     # an instance attribute already there (accelerate's hooks put one) is put back as it was
     own = [layer.__dict__.get("forward") for layer in layers]
     try:

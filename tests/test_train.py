@@ -57,20 +57,88 @@ def test_rejected_samples_are_not_trained_on(pipeline):
 def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
     from dataclasses import replace
 
+    from torch._dynamo import config as dynamo
+
     cfg = replace(pipeline["train_cfg"], loader_threads=1)  # a resource, not an input
-    stats = train.train(
-        cfg,
-        pipeline["record"],
-        pipeline["shards"],
-        pipeline["manifests"],
-        pipeline["vocab_map"],
-        pipeline["dir"] / "state",
-        pipeline["dir"] / "state" / "metrics.jsonl",
-    )
+    with dynamo.patch(recompile_limit=8):  # torch's default
+        stats = train.train(
+            cfg,
+            pipeline["record"],
+            pipeline["shards"],
+            pipeline["manifests"],
+            pipeline["vocab_map"],
+            pipeline["dir"] / "state",
+            pipeline["dir"] / "state" / "metrics.jsonl",
+        )
+        assert dynamo.recompile_limit == train.draft_recompile_limit(cfg.num_layers)
     assert stats["resumed"] is True
+    assert stats["uncompiled_functions"] == []
     metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
     steps = [m["global_step"] for m in metrics if "train" in m]
     assert len(steps) == len(set(steps))  # every epoch was already done: no step ran again
+
+
+def test_a_three_layer_drafts_compiled_frames_fit_the_recompile_limit(pipeline):
+    """speculators compiles the draft's forward (on a GPU); its flex attention breaks the graph
+    in each layer at each TTT step, and dynamo compiles the layers' shared call frame again per
+    layer. Counted here with dynamo's graph-only backend (flex attention has no CPU backward,
+    so both modes run without grad: the GPU adds grad-mode variants, hence the factor 2). A
+    three-layer draft needs more than torch's default limit of 8, which on the H200 sent its
+    validation to the uncompiled, unfused attention."""
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.verifier import allow_recompiles
+
+    torch._dynamo.reset()
+    cfg = TrainConfig(num_layers=3, draft_vocab_size=256)
+    model = train.build_draft(
+        cfg, pipeline["record"], [2, 4, 5], pipeline["vocab_map"], "simple_flex_attention"
+    )
+    data = train_data.ShardDataset(pipeline["shards"], [(0, 0), (0, 1)], 256, torch.float32)
+    collate = CollateFn(256, 64, 3, torch.float32, preprocess=shift_batch)
+    forward = torch.compile(model.forward, backend="eager")
+    frame = GradientCheckpointingLayer.__call__.__code__
+    allow_recompiles(train.draft_recompile_limit(cfg.num_layers))
+    try:
+        with torch.no_grad():
+            for training in (True, False):
+                model.train(training)
+                for i in range(2):
+                    forward(
+                        **collate([data[i]]),
+                        ttt_steps=cfg.ttt_steps,
+                        loss_config=resolve_loss_config("kl_div", "eager"),
+                    )
+        entries = len(_debug_get_cache_entry_list(frame))
+    finally:
+        torch._dynamo.reset()
+    assert entries > 8
+    assert 2 * entries <= train.draft_recompile_limit(cfg.num_layers)
+
+
+def test_compile_fallbacks_name_the_function_dynamo_gave_up_on():
+    from torch._dynamo import config as dynamo
+
+    from eagle3lib.verifier import compile_fallbacks
+
+    def doubled(x):
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(doubled, backend="eager")
+    try:
+        with dynamo.patch(recompile_limit=2), compile_fallbacks() as uncompiled:
+            for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+                assert compiled(torch.ones(2, dtype=dtype)).tolist() == [2, 2]  # still right
+    finally:
+        torch._dynamo.reset()
+    assert len(uncompiled) == 1
+    assert uncompiled[0].startswith("'doubled' (") and "test_train.py" in uncompiled[0]
 
 
 def test_changed_inputs_reset_the_state(tmp_path):
