@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import traceback
+from collections.abc import Iterator
 
 import torch
 from speculators.train import distributed as sd
@@ -64,3 +66,17 @@ def teardown_distributed() -> None:
     gc.collect()
     sd.maybe_destroy_distributed()
     _GROUP.close()
+
+
+@contextlib.contextmanager
+def torn_down() -> Iterator[None]:
+    """Run the block, then ``teardown_distributed``, also when the block raises. A raised
+    exception's traceback keeps the locals of every frame it passed through (the trainer, its
+    DDP module) alive past any collection, so those finished frames are cleared first."""
+    try:
+        yield
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        teardown_distributed()

@@ -63,12 +63,10 @@ def main() -> None:
     cfg = train.with_loader_threads(cfg, a.loader_threads, a.threads, processes)
     record = read_record(a.verifier)
     metrics = a.state_dir / "metrics.jsonl"
-    try:
+    with distributed.torn_down():
         stats = train.train(
             cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
         )
-    finally:
-        distributed.teardown_distributed()
     if stats["rank"] != 0:
         return
     out_dir = a.out_config.parent

@@ -285,6 +285,34 @@ def test_ddp_stops_broadcasting_buffers_when_asked():
         dist.destroy_process_group()
 
 
+def test_a_failed_run_frees_its_modules_before_the_teardown(monkeypatch):
+    """A training run that raises keeps its modules (a DDP one among them) in its traceback's
+    frames; ``torn_down`` clears them, so that they are freed before the process group is torn
+    down (the order the test above needs), and the error still reaches the caller."""
+    import weakref
+
+    from eagle3lib import distributed
+
+    alive_at_teardown = []
+    monkeypatch.setattr(
+        distributed, "teardown_distributed", lambda: alive_at_teardown.append(module() is not None)
+    )
+    module = None
+
+    def failing_run():
+        nonlocal module
+        model = torch.nn.Linear(2, 2)
+        module = weakref.ref(model)
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"), distributed.torn_down():
+        failing_run()
+    assert alive_at_teardown == [False]
+    with distributed.torn_down():
+        pass
+    assert alive_at_teardown == [False, False]
+
+
 def test_max_steps_stops_training_and_keeps_a_checkpoint(pipeline, tmp_path):
     state = tmp_path / "s"
     stats = train_pipeline(pipeline, state, epochs=2, max_steps=2)
