@@ -96,12 +96,14 @@ def resolve_runtime(cfg) -> dict[str, Any]:
 def draft_recompile_limit(num_layers: int) -> int:
     """Compilations of the decoder layer's call that training and validation may need.
 
-    speculators compiles the draft's forward, and its flex attention breaks the graph in every
-    layer at every TTT step (``extend_mask_for_draft_tokens`` is kept out of the compiler), so
-    dynamo compiles the layers' shared ``__call__`` frame once per layer and variant of shape,
-    grad mode and training flag (measured on the CPU: 6 entries for two layers, 11 for three).
-    Past dynamo's default limit of 8 a three-layer draft's validation ran uncompiled on the
-    H200, 94-112 s an epoch instead of 5-7 s (BENCHMARKS.md)."""
+    speculators compiles the draft's forward, but its graph breaks at every TTT step (flex
+    attention's ``extend_mask_for_draft_tokens`` is kept out of the compiler) and inside the
+    first decoder layer (a ``graph_break()`` speculators puts there under torch >= 2.10,
+    https://github.com/pytorch/pytorch/issues/175250). Dynamo then compiles the decoder layers'
+    shared ``__call__`` frame on its own, again for each layer and variant of shape, grad mode
+    and training flag (measured on the CPU: 6 entries for two layers, 11 for three). Past
+    dynamo's default limit of 8 a three-layer draft's validation ran uncompiled on the H200,
+    94-112 s an epoch instead of 5-7 s (BENCHMARKS.md)."""
     return 8 * num_layers + 8
 
 

@@ -79,9 +79,9 @@ def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
 
 
 def test_a_three_layer_drafts_compiled_frames_fit_the_recompile_limit(pipeline):
-    """speculators compiles the draft's forward (on a GPU); its flex attention breaks the graph
-    in each layer at each TTT step, and dynamo compiles the layers' shared call frame again per
-    layer. Counted here with dynamo's graph-only backend (flex attention has no CPU backward,
+    """speculators compiles the draft's forward (on a GPU); its graph breaks at each TTT step
+    and inside the first decoder layer, and dynamo compiles the layers' shared call frame again
+    per layer. Counted here with dynamo's graph-only backend (flex attention has no CPU backward,
     so both modes run without grad: the GPU adds grad-mode variants, hence the factor 2). A
     three-layer draft needs more than torch's default limit of 8, which on the H200 sent its
     validation to the uncompiled, unfused attention."""
