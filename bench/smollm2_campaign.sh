@@ -314,6 +314,8 @@ wait)
   bring_back "$P/regenerated/conversations.jsonl" "${RUN_NAME:-smollm2-gpu}-prompts"
   cat "$C/status"
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
+  # training's latest pace and time left (snakemake's log has only its first line)
+  tail -c 20000 "$R/logs/train.log" 2>/dev/null | grep -a "^train: " | tail -1 || true
   df -h . | tail -1
   ;;
 checkpoint-back) # I: the build's checkpoint and offline acceptance (acceptance.json), gzip'd
