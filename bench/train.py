@@ -169,15 +169,33 @@ def variant(name: str) -> Variant:
     return VARIANTS[name.removesuffix(CONTEND)]
 
 
+# ChatML, the template the verifier job checks parses (no text is tokenized here)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def make_verifier(path: Path, shape: dict) -> Path:
-    """A verifier folder holding only what the draft needs: config, embeddings, norm, lm_head."""
+    """A verifier folder holding only what the draft needs: config, embeddings, norm, lm_head,
+    and a word-level tokenizer with a chat template (the verifier's checks load it)."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
     LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    words = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<unk>")),
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(path)
     g = torch.Generator().manual_seed(0)
     v, h = shape["vocab_size"], shape["hidden_size"]
     save_file(
@@ -434,6 +452,7 @@ def run_variant(
         epochs=1,
         total_seq_len=args.total_seq_len,
         draft_vocab_size=args.draft_vocab,
+        num_layers=args.num_layers,
         optimizer=v.optimizer,
         lr=TrainConfig.lr * v.lr_factor,
         max_steps=args.steps + args.sync_sites + args.profile_steps + 1,
@@ -460,6 +479,7 @@ def run_variant(
                 tokens_box["per_batch"] = real_tokens_per_batch(
                     self.train_loader, 0, args.total_seq_len
                 )
+                tokens_box["layers"] = len(getattr(self.model, "module", self.model).layers)
                 clock.trainer = self
                 self.train_epoch = functools.partial(super().train_epoch, step_callback=clock)
 
@@ -526,6 +546,7 @@ def run_variant(
         "variant": name + (f"_{kind}{processes}" if processes > 1 else ""),
         "name": name,
         "total_seq_len": args.total_seq_len,
+        "num_layers": tokens_box["layers"],  # the draft's decoder layers, as built
         "loss_curve": curve,
         "processes": processes,
         "optimizer": v.optimizer,
@@ -700,6 +721,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--total-seq-len", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--num-layers", type=int, default=1, help="the draft's decoder layers")
     p.add_argument("--workers", type=int, default=12, help="workers of *_fastest, ours_workers")
     p.add_argument("--profile-steps", type=int, default=5, help="steps profiled after the window")
     p.add_argument(
