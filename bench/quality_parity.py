@@ -131,6 +131,7 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
         "evaluate": evaluate,
         "prompts": prompts,
         "max_prompts": eval_data["max_prompts"],
+        "eval_name": eval_data.get("name", "eval"),  # the schema's default name
         "record": record,
         "shards": shards,
         "manifests": manifests,
@@ -526,6 +527,7 @@ def evaluate_all(run: dict, record_path: Path, jobs: list[dict], out: Path, thre
         "manifest": str(run["manifests"][0]),
         "prompts": str(run["prompts"]),
         "max_prompts": run["max_prompts"] or 0,
+        "eval_name": run["eval_name"],
         "evaluate": run["evaluate"],
         "threads": threads,
         "jobs": jobs,
@@ -557,12 +559,13 @@ def evaluate_child(spec_path: str) -> None:
     prompts = read_eval_prompts(Path(spec["prompts"]), spec["max_prompts"] or None)
     for prompt in prompts:
         prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
+    eval_sets = [{"name": spec["eval_name"], "prompts": prompts}]  # data.eval, the headline set
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
     for job in spec["jobs"]:
         ckpt = Path(job["checkpoint"])
         draft = checkpoint.load_draft(ckpt, record, "sdpa", dtype).to(device)
         result = evaluate.evaluate(
-            model, draft, tokenizer, prompts, cfg, aux, log=lambda m: print(m, flush=True)
+            model, draft, tokenizer, eval_sets, cfg, aux, log=lambda m: print(m, flush=True)
         )
         result["device"] = device.type
         result["dtype"] = str(dtype).removeprefix("torch.")

@@ -5,6 +5,7 @@
     python3 bench/workflow_gpu.py --gpus 1       # one H200
     python3 bench/workflow_gpu.py --gpus 2       # two H200s: extract jobs on both at once, DDP
     python bench/workflow_gpu.py --smoke         # CPU, tiny verifier: checks this script
+                                                 # (after `pack`, or `pack-text` alone)
 
 It builds a verifier of the Llama-3.1-8B architecture with random bf16 weights on the machine
 itself (drawn on the GPU, written as safetensors, with the tokenizer of SmolLM2-135M-Instruct:

@@ -1,0 +1,66 @@
+"""The bench scripts' own CPU smoke runs (the commands their docstrings give), end to end: a
+bench that no longer runs is found here, not on a GPU machine's scarce time. The figures they
+print are CPU figures of tiny shapes, not benchmarks; what is asserted is that each run finishes
+and prints its keys (and, for quality_parity, that our trainer and speculators' CLI train the
+same weights)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke(script: str, *args: str, root: Path = ROOT) -> str:
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout
+
+
+def test_extract_smoke(tmp_path):
+    out = smoke("extract.py", "--out", str(tmp_path))
+    assert "extract.cpu.bytes_per_token = " in out
+
+
+def test_forward_speed_smoke():
+    out = smoke("forward_speed.py")
+    assert "forward.cpu.layer.tokens_per_s = " in out
+
+
+@pytest.mark.slow
+def test_quality_parity_smoke(tmp_path):
+    out = smoke("quality_parity.py", "--work", str(tmp_path))
+    assert "quality_parity.smoke.ours_vs_cli.seed42.weights_identical = true" in out
+    assert (tmp_path / "quality_parity.json").exists()
+
+
+@pytest.mark.slow
+def test_workflow_gpu_smoke(tmp_path):
+    """It runs snakemake in the project folder, as a user would: here a copy of the tracked
+    files, so that no run folder or snakemake lock lands in this checkout."""
+    import shutil
+
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    root = tmp_path / "project"
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, root / name)
+    xfer = tmp_path / "xfer"  # the tokenizer and ShareGPT slice, as `pack` makes them
+    env = {**os.environ, "XFER": str(xfer)}
+    setup = [str(ROOT / "bench" / "gpu_setup.sh"), "pack-text"]
+    subprocess.run(setup, env=env, check=True, capture_output=True, timeout=600)
+    work = ["--work", str(tmp_path / "work"), "--xfer", str(xfer)]
+    out = smoke("workflow_gpu.py", *work, root=root)
+    assert "workflow.cpu.extract.job_vs_bench = " in out
+    assert (root / "results" / "wf8b" / "checkpoint" / "model.safetensors").exists()
