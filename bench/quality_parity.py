@@ -131,7 +131,9 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
         "evaluate": evaluate,
         "prompts": prompts,
         "max_prompts": eval_data["max_prompts"],
-        "eval_name": eval_data.get("name", "eval"),  # the schema's default name
+        "eval_name": eval_data.get(
+            "name", schema["$defs"]["eval_set"]["properties"]["name"]["default"]
+        ),
         "record": record,
         "shards": shards,
         "manifests": manifests,

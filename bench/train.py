@@ -798,18 +798,18 @@ def main() -> None:
     allow_recompiles(1024)  # every run builds a new draft: never fall back to eager
     results = []
     partial = out / f"bench_train.partial-{os.environ.get('RANK', '0')}.json"
-    for index, name in enumerate(names):
-        shards = data[variant(name).storage]
-        results.append(run_variant(name, index, args, record, *shards, vocab_map, out))
-        print(json.dumps(results[-1]), flush=True)
-        partial.write_text(json.dumps(results, indent=2))  # what a timed-out call keeps
-    same = None
-    if args.same_training:
-        same = same_training(args, record, data, vocab_map, out)
     from eagle3lib import distributed
 
+    with distributed.torn_down():
+        for index, name in enumerate(names):
+            shards = data[variant(name).storage]
+            results.append(run_variant(name, index, args, record, *shards, vocab_map, out))
+            print(json.dumps(results[-1]), flush=True)
+            partial.write_text(json.dumps(results, indent=2))  # what a timed-out call keeps
+        same = None
+        if args.same_training:
+            same = same_training(args, record, data, vocab_map, out)
     rank = int(os.environ.get("RANK", "0"))
-    distributed.teardown_distributed()
     if rank != 0:
         return
     tag = device_tag()

@@ -71,12 +71,19 @@ def teardown_distributed() -> None:
 @contextlib.contextmanager
 def torn_down() -> Iterator[None]:
     """Run the block, then ``teardown_distributed``, also when the block raises. A raised
-    exception's traceback keeps the locals of every frame it passed through (the trainer, its
-    DDP module) alive past any collection, so those finished frames are cleared first."""
+    exception's traceback (and those of the exceptions it was raised from or during) keeps the
+    locals of every frame it passed through (the trainer, its DDP module) alive past any
+    collection, so those finished frames are cleared first."""
     try:
         yield
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
+        seen, chain = set(), [exc]
+        while chain:  # the exception and those it was raised from or during
+            error = chain.pop()
+            if error is not None and id(error) not in seen:
+                seen.add(id(error))
+                traceback.clear_frames(error.__traceback__)
+                chain += [error.__cause__, error.__context__]
         raise
     finally:
         teardown_distributed()

@@ -358,9 +358,9 @@ def train(
     seconds = time.perf_counter() - t0
     for where in uncompiled:
         print(
-            f"train: torch.compile gave up on {where} after too many recompilations; it ran "
-            "uncompiled from then on (slower steps): a bug of this project, whose limit "
-            "(eagle3lib.train.draft_recompile_limit) was too low for this draft",
+            f"train: torch.compile reached its recompile limit on {where}; calls matching none "
+            "of its compiled variants ran uncompiled (slower steps): a bug of this project, "
+            "whose limit (eagle3lib.train.draft_recompile_limit) was too low for this draft",
             file=sys.stderr,
             flush=True,
         )

@@ -384,22 +384,24 @@ def device_map_for_job():
 
 
 def allow_recompiles(limit: int) -> None:
-    """Let dynamo compile a frame up to ``limit`` times in this process (never lowered). Past
-    its limit (8 by default) dynamo runs the frame eagerly for good, and flex attention then
-    falls back to an unfused kernel that materialises the whole score matrix."""
+    """Let dynamo compile a frame up to ``limit`` times in this process (never lowered; the
+    limit on all frames together is raised to match). Past its limit (8 by default) dynamo
+    runs every call that matches none of the frame's compiled variants uncompiled, and flex
+    attention there falls back to an unfused kernel that materialises the whole score matrix."""
     import torch
 
     config = torch._dynamo.config  # noqa: SLF001
-    for key in ("cache_size_limit", "recompile_limit"):
+    for key in ("cache_size_limit", "recompile_limit", "accumulated_recompile_limit"):
         if hasattr(config, key):
             setattr(config, key, max(getattr(config, key), limit))
 
 
 @contextlib.contextmanager
 def compile_fallbacks():
-    """Inside the block, the functions dynamo stopped compiling because they reached its
-    recompile limit (it runs them uncompiled from then on), as the list yielded: one line each,
-    "'name' (file:line)", from dynamo's own warning."""
+    """Inside the block, the functions that reached dynamo's recompile limit (from then on a
+    call that matches none of their compiled variants runs uncompiled), as the list yielded:
+    one line each, "'name' (file:line)", from dynamo's own warning (logged at WARNING, which
+    TORCH_LOGS can silence), each function once."""
     found: list[str] = []
 
     class Hits(logging.Handler):
@@ -407,7 +409,8 @@ def compile_fallbacks():
             lines = record.getMessage().splitlines()
             if lines and lines[0].startswith("torch._dynamo hit config."):
                 where = [x.split("function:", 1)[1].strip() for x in lines if "function:" in x]
-                found.append(where[0] if where else lines[0])
+                if (name := where[0] if where else lines[0]) not in found:
+                    found.append(name)
 
     logger = logging.getLogger("torch._dynamo.convert_frame")
     handler = Hits(logging.WARNING)

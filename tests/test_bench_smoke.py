@@ -4,7 +4,6 @@ print are CPU figures of tiny shapes, not benchmarks; what is asserted is that e
 and prints its keys (and, for quality_parity, that our trainer and speculators' CLI train the
 same weights)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,16 +49,16 @@ def test_workflow_gpu_smoke(tmp_path):
     import shutil
 
     files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
     root = tmp_path / "project"
-    for name in files:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, root / name)
+    for name in filter(None, files):
+        if (ROOT / name).is_file():  # not a tracked file deleted in this checkout
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, root / name)
     xfer = tmp_path / "xfer"  # the tokenizer and ShareGPT slice, as `pack` makes them
-    env = {**os.environ, "XFER": str(xfer)}
-    setup = [str(ROOT / "bench" / "gpu_setup.sh"), "pack-text"]
-    subprocess.run(setup, env=env, check=True, capture_output=True, timeout=600)
+    setup = [str(ROOT / "bench" / "gpu_setup.sh"), "pack-text", str(xfer)]
+    subprocess.run(setup, check=True, capture_output=True, timeout=600)
     work = ["--work", str(tmp_path / "work"), "--xfer", str(xfer)]
     out = smoke("workflow_gpu.py", *work, root=root)
     assert "workflow.cpu.extract.job_vs_bench = " in out
