@@ -54,23 +54,29 @@ def test_rejected_samples_are_not_trained_on(pipeline):
     assert val_pairs == kept[-4:] and not set(train_pairs) & set(val_pairs)
 
 
-def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
+def rerun_pipeline_training(pipeline) -> dict:
+    """train.train again on the pipeline's inputs and state folder (every epoch already done:
+    it resumes), with another loader thread count (a resource, not an input)."""
     from dataclasses import replace
 
+    return train.train(
+        replace(pipeline["train_cfg"], loader_threads=1),
+        pipeline["record"],
+        pipeline["shards"],
+        pipeline["manifests"],
+        pipeline["vocab_map"],
+        pipeline["dir"] / "state",
+        pipeline["dir"] / "state" / "metrics.jsonl",
+    )
+
+
+def test_rerun_with_same_inputs_resumes_from_saved_state(pipeline):
     from torch._dynamo import config as dynamo
 
-    cfg = replace(pipeline["train_cfg"], loader_threads=1)  # a resource, not an input
     with dynamo.patch(recompile_limit=8):  # torch's default
-        stats = train.train(
-            cfg,
-            pipeline["record"],
-            pipeline["shards"],
-            pipeline["manifests"],
-            pipeline["vocab_map"],
-            pipeline["dir"] / "state",
-            pipeline["dir"] / "state" / "metrics.jsonl",
-        )
-        assert dynamo.recompile_limit == train.draft_recompile_limit(cfg.num_layers)
+        stats = rerun_pipeline_training(pipeline)
+        layers = pipeline["train_cfg"].num_layers
+        assert dynamo.recompile_limit == train.draft_recompile_limit(layers)
     assert stats["resumed"] is True
     metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
     steps = [m["global_step"] for m in metrics if "train" in m]
@@ -124,7 +130,6 @@ def test_training_reports_functions_that_reached_the_recompile_limit(pipeline, m
     """train.train returns (uncompiled_functions) and prints each function dynamo reported at
     its recompile limit while training ran; dynamo's warning is logged here as dynamo logs it."""
     import logging
-    from dataclasses import replace
 
     run_trainer = train._run_trainer
 
@@ -139,16 +144,7 @@ def test_training_reports_functions_that_reached_the_recompile_limit(pipeline, m
         return run_trainer(*args, **kwargs)
 
     monkeypatch.setattr(train, "_run_trainer", warned)
-    cfg = replace(pipeline["train_cfg"], loader_threads=1)
-    stats = train.train(
-        cfg,
-        pipeline["record"],
-        pipeline["shards"],
-        pipeline["manifests"],
-        pipeline["vocab_map"],
-        pipeline["dir"] / "state",
-        pipeline["dir"] / "state" / "metrics.jsonl",
-    )
+    stats = rerun_pipeline_training(pipeline)
     assert stats["uncompiled_functions"] == ["'__call__' (modeling_layers.py:80)"]
     assert "reached its recompile limit on '__call__' (modeling_layers.py:80)" in (
         capsys.readouterr().err
