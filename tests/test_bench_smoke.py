@@ -30,6 +30,21 @@ def test_extract_smoke(tmp_path):
     assert "extract.cpu.bytes_per_token = " in out
 
 
+def test_train_smoke(tmp_path):
+    """Its verifier passes the verifier checks (a tokenizer with a chat template), and each
+    variant trains a draft of --num-layers layers."""
+    import json
+
+    out = smoke(
+        "train.py", "--profile-steps", "0", "--variants", "ours,speculators_fastest",
+        "--num-layers", "2", "--out", str(tmp_path),
+    )  # fmt: skip
+    results = json.loads((tmp_path / "bench_train.json").read_text())["results"]
+    assert [r["name"] for r in results] == ["ours", "speculators_fastest"]
+    assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)
+    assert "train.cpu.tokens_per_s = " in out
+
+
 def test_forward_speed_smoke():
     out = smoke("forward_speed.py")
     assert "forward.cpu.layer.tokens_per_s = " in out
