@@ -87,6 +87,7 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
     import yaml
 
     from eagle3lib.config import resolve_data_path
+    from eagle3lib.verifier import read_record
 
     config = yaml.safe_load(config_path.read_text())
     schema = yaml.safe_load(SCHEMA.read_text())
@@ -100,7 +101,7 @@ def load_run(run_dir: Path, config_path: Path, workdir: Path) -> dict[str, Any]:
         spec = str(workdir / spec)
     prompts = resolve_data_path(spec, "data.eval.path")
 
-    record = read_json(run_dir / "verifier" / "verifier.json")
+    record = read_record(run_dir / "verifier" / "verifier.json")  # relative to its folder
     if record.get("kind") != "hub" and not Path(record["load_path"]).is_absolute():
         record["load_path"] = str((workdir / record["load_path"]).resolve())
 

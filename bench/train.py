@@ -18,6 +18,8 @@ model are used by both. Variants (``VARIANTS``):
     ours_1thread          ours with one thread running speculators' CollateFn (the old loader)
     ours_workers          ours with speculators' loader, --workers processes
     ours_nobcast          ours whose DDP does not re-send the draft's buffers every step
+    ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
+                          torch.compile (on an H200 no faster at SmolLM2's shape: BENCHMARKS.md)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
                           loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
     speculators_fastest   the same with --workers workers (earlier commands)
@@ -67,6 +69,7 @@ start more slowly):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -132,6 +135,7 @@ class Variant:
     syncs: bool = False  # speculators' loss metrics with their host syncs
     broadcast_buffers: bool = True  # DDP re-sends the draft's buffers every forward
     lr_factor: float = 1.0  # a mutation for --same-training
+    compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
 
 
 # ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
@@ -140,6 +144,11 @@ VARIANTS = {
     "ours": Variant(),
     # the workflow's default recipe: Muon, log every train.log_every (10) steps
     "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every),
+    # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
+    # torch.compile (one graph per matrix shape), to size the host time Muon's eager ops cost
+    "ours_muon_nscompiled": Variant(
+        optimizer="muon", log_every=TrainConfig.log_every, compiled_ns=True
+    ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
@@ -501,16 +510,17 @@ def run_variant(
         shutil.rmtree(state)
     started, graphs_before = time.perf_counter(), compiled_graphs()
     try:
-        stats = train.train(
-            cfg,
-            record,
-            shards,
-            manifests,
-            vocab_map,
-            state,
-            state / "metrics.jsonl",
-            trainer_class=timed(base),
-        )
+        with compiled_newton_schulz(v.compiled_ns):
+            stats = train.train(
+                cfg,
+                record,
+                shards,
+                manifests,
+                vocab_map,
+                state,
+                state / "metrics.jsonl",
+                trainer_class=timed(base),
+            )
     finally:  # training that ended early leaves nothing switched on or running
         if clock.sync_sites is not None:
             clock.sync_sites.close()
@@ -569,6 +579,21 @@ def run_variant(
         "loss_implementation": stats["loss_implementation"],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+@contextlib.contextmanager
+def compiled_newton_schulz(on: bool):
+    """Inside the block (if ``on``), torch's Muon calls its Newton-Schulz function under
+    torch.compile: ``_single_tensor_muon`` looks it up in its module at every call."""
+    from torch.optim import _muon
+
+    eager = _muon._zeropower_via_newtonschulz  # noqa: SLF001
+    if on:
+        _muon._zeropower_via_newtonschulz = torch.compile(eager)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = eager  # noqa: SLF001
 
 
 def compiled_graphs() -> int:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3lib import precision, train, vocab  # noqa: E402
 from eagle3lib.config import TrainConfig, from_dict  # noqa: E402
-from eagle3lib.fileio import read_json  # noqa: E402
+from eagle3lib.verifier import read_record  # noqa: E402
 
 
 def matmul_gflops(dtype: torch.dtype, seconds: float = 1.5) -> float:
@@ -65,7 +65,7 @@ def run_variant(
     state = work / name
     stats = train.train(
         cfg,
-        read_json(results / "verifier" / "verifier.json"),
+        read_record(results / "verifier" / "verifier.json"),
         shards,
         [p.with_suffix(".json") for p in shards],
         vocab.load(results / "vocab" / "vocab_map.safetensors"),

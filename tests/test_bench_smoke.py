@@ -78,3 +78,26 @@ def test_workflow_gpu_smoke(tmp_path):
     out = smoke("workflow_gpu.py", *work, root=root)
     assert "workflow.cpu.extract.job_vs_bench = " in out
     assert (root / "results" / "wf8b" / "checkpoint" / "model.safetensors").exists()
+
+
+def test_quality_parity_reads_a_verifier_record_relative_to_its_folder(tmp_path):
+    """The verifier rule writes a GGUF-converted verifier's load path relative to verifier.json's
+    folder (verifier.portable); the comparison resolves it there, not in the working folder."""
+    import importlib.util
+    import json
+    import shutil
+
+    spec = importlib.util.spec_from_file_location(
+        "quality_parity", ROOT / "bench/quality_parity.py"
+    )
+    qp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qp)
+    run_dir, config = qp.build_smoke_run(tmp_path / "smoke")
+    path = run_dir / "verifier" / "verifier.json"
+    record = json.loads(path.read_text())
+    shutil.copytree(record["load_path"], run_dir / "verifier" / "hf")  # as a converted GGUF
+    path.write_text(json.dumps({**record, "load_path": "hf", "load_path_relative": True}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = qp.load_run(run_dir, config, elsewhere)
+    assert Path(run["record"]["load_path"]) == run_dir / "verifier" / "hf"

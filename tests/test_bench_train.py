@@ -51,3 +51,23 @@ def test_contend_modifier_names_a_known_variant(bench):
     assert bench.variant("ours+contend") == bench.VARIANTS["ours"]
     assert bench.variant("speculators_cli").optimizer == "muon"
     assert bench.VARIANTS["ours_muon"].log_every == 10  # the workflow's default
+
+
+def test_compiled_newton_schulz_is_torchs_function_compiled_and_restored(bench):
+    """The ours_muon_nscompiled experiment swaps torch's Newton-Schulz function for a compiled
+    one inside the block only; the compiled one orthogonalises as torch's does (bf16)."""
+    import torch
+    from torch.optim import _muon
+
+    eager = _muon._zeropower_via_newtonschulz
+    grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    args = ((3.4445, -4.775, 2.0315), 5, 1e-7)
+    with bench.compiled_newton_schulz(True):
+        assert _muon._zeropower_via_newtonschulz is not eager
+        compiled = _muon._zeropower_via_newtonschulz(grad, *args)
+    assert _muon._zeropower_via_newtonschulz is eager
+    with bench.compiled_newton_schulz(False):
+        assert _muon._zeropower_via_newtonschulz is eager
+    expected = eager(grad, *args)
+    assert compiled.shape == expected.shape == (16, 8)
+    torch.testing.assert_close(compiled.float(), expected.float(), rtol=0.02, atol=0.02)
