@@ -582,14 +582,14 @@ def run_variant(
 
 
 @contextlib.contextmanager
-def compiled_newton_schulz(on: bool):
+def compiled_newton_schulz(on: bool, backend: str = "inductor"):
     """Inside the block (if ``on``), torch's Muon calls its Newton-Schulz function under
     torch.compile: ``_single_tensor_muon`` looks it up in its module at every call."""
     from torch.optim import _muon
 
     eager = _muon._zeropower_via_newtonschulz  # noqa: SLF001
     if on:
-        _muon._zeropower_via_newtonschulz = torch.compile(eager)  # noqa: SLF001
+        _muon._zeropower_via_newtonschulz = torch.compile(eager, backend=backend)  # noqa: SLF001
     try:
         yield
     finally:
