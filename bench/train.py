@@ -145,7 +145,8 @@ VARIANTS = {
     # the workflow's default recipe: Muon, log every train.log_every (10) steps
     "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every),
     # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
-    # torch.compile (one graph per matrix shape), to size the host time Muon's eager ops cost
+    # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
+    # an H200), to size the host time Muon's eager ops cost
     "ours_muon_nscompiled": Variant(
         optimizer="muon", log_every=TrainConfig.log_every, compiled_ns=True
     ),

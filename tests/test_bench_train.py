@@ -56,14 +56,14 @@ def test_contend_modifier_names_a_known_variant(bench):
 def test_compiled_newton_schulz_is_torchs_function_compiled_and_restored(bench):
     """The ours_muon_nscompiled experiment swaps torch's Newton-Schulz function for a compiled
     one inside the block only; the compiled one orthogonalises as torch's does (bf16; traced by
-    dynamo and AOTAutograd here, inductor's code generation is the GPU run's)."""
+    dynamo and AOTAutograd here; inductor's code generation is left to the GPU run)."""
     import torch
     from torch.optim import _muon
 
     eager = _muon._zeropower_via_newtonschulz
     grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     args = ((3.4445, -4.775, 2.0315), 5, 1e-7)
-    with bench.compiled_newton_schulz(True, backend="aot_eager"):  # no C++ build in a test
+    with bench.compiled_newton_schulz(True, backend="aot_eager"):  # no C++ build: seconds
         assert _muon._zeropower_via_newtonschulz is not eager
         compiled = _muon._zeropower_via_newtonschulz(grad, *args)
     assert _muon._zeropower_via_newtonschulz is eager

@@ -401,16 +401,18 @@ def test_compiled_layers_give_eager_states_and_reproducible_shards(
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
     tmp, samples, ids, cfg, _ = extracted
     assert read_json(tmp / "shard-1.json")["compiled"] is False  # the default
     compiled = ExtractConfig(shards=cfg.shards, batch_tokens=cfg.batch_tokens, compile=True)
     paths = [tmp_path / f"c{i}.safetensors" for i in range(2)]
-    for path in paths:
-        stats = hidden_states.extract_shard(
-            samples, ids, 1, compiled, verifier_record, path, path.with_suffix(".json")
-        )
-        assert stats["compiled"] is True and read_json(path.with_suffix(".json"))["compiled"]
+    # the config's own patch: pytest's monkeypatch finds no old value on a torch config module
+    # and deletes the key on undo, which hides it from every later compilation in the process
+    with inductor_config.patch(compile_threads=1):
+        for path in paths:
+            stats = hidden_states.extract_shard(
+                samples, ids, 1, compiled, verifier_record, path, path.with_suffix(".json")
+            )
+            assert stats["compiled"] is True and read_json(path.with_suffix(".json"))["compiled"]
     assert paths[0].read_bytes() == paths[1].read_bytes()
     eager = _shard_states(tmp / "shard-1.safetensors")
     # fp32 compute either way; fused kernels round differently in the last fp32 bits, which
