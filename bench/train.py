@@ -586,11 +586,13 @@ def run_variant(
 def compiled_newton_schulz(on: bool, backend: str = "inductor"):
     """Inside the block (if ``on``), torch's Muon calls its Newton-Schulz function under
     torch.compile: ``_single_tensor_muon`` looks it up in its module at every call."""
+    if not on:  # every other variant: torch's Muon untouched
+        yield
+        return
     from torch.optim import _muon
 
     eager = _muon._zeropower_via_newtonschulz  # noqa: SLF001
-    if on:
-        _muon._zeropower_via_newtonschulz = torch.compile(eager, backend=backend)  # noqa: SLF001
+    _muon._zeropower_via_newtonschulz = torch.compile(eager, backend=backend)  # noqa: SLF001
     try:
         yield
     finally:
