@@ -28,7 +28,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Files of whole-workflow runs (minutes each) go first, so that with several pytest-xdist
 # workers (make test: --dist loadfile) the longest files do not start last.
-LONGEST_FIRST = ("test_presets.py", "test_workflow.py", "test_faults.py", "test_vllm.py")
+# (by the files' measured totals, largest first)
+LONGEST_FIRST = (
+    "test_workflow.py",
+    "test_faults.py",
+    "test_vllm.py",
+    "test_bench_smoke.py",
+    "test_presets.py",
+    "test_multinode.py",
+    "test_train.py",
+    "test_errors.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

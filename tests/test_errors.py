@@ -10,8 +10,7 @@ from conftest import run_snakemake
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def setup(tmp_path, verifier_dir):
+def workspace(tmp_path, verifier_dir):
     evals = tiny.write_jsonl(
         tmp_path / "eval.jsonl", [{"question_id": 1, "turns": ["Tell me something"]}]
     )
@@ -37,6 +36,18 @@ def setup(tmp_path, verifier_dir):
     return tmp_path, make
 
 
+@pytest.fixture
+def setup(tmp_path, verifier_dir):
+    return workspace(tmp_path, verifier_dir)
+
+
+@pytest.fixture(scope="module")
+def prepare_setup(tmp_path_factory, verifier_dir):
+    """One folder for the tests whose prepare job fails: its verifier job runs once, and no
+    test leaves a prepared sample behind for the next (each checks that)."""
+    return workspace(tmp_path_factory.mktemp("prepare-errors"), verifier_dir)
+
+
 def one_error_line(text: str) -> str:
     assert "Traceback" not in text, text
     lines = [line for line in text.splitlines() if line.startswith("error: ")]
@@ -55,8 +66,8 @@ def run_target(tmp_path, config, target):
     return proc
 
 
-def test_malformed_json_line_names_file_and_line(setup):
-    tmp_path, make = setup
+def test_malformed_json_line_names_file_and_line(prepare_setup):
+    tmp_path, make = prepare_setup
     good = json.dumps(tiny.conversations(1)[0])
     config = make(train_text=f'{good}\n{good}\n{{"conversations": [}}\n')
     run_target(tmp_path, config, "results/t/prepared/samples.json")
@@ -78,8 +89,8 @@ def test_malformed_json_line_names_file_and_line(setup):
         ),
     ],
 )
-def test_dataset_without_usable_samples(setup, text, message):
-    tmp_path, make = setup
+def test_dataset_without_usable_samples(prepare_setup, text, message):
+    tmp_path, make = prepare_setup
     config = make(train_text=text)
     run_target(tmp_path, config, "results/t/prepared/samples.json")
     line = one_error_line((tmp_path / "results/t/logs/prepare.log").read_text())

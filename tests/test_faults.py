@@ -156,18 +156,15 @@ def make_extraction(root: Path, verifier_dir: Path, storage: str = "bf16"):
         for i in range(3)
         for ext in ("safetensors", "json")
     ]
-    run_snakemake(root, config, *targets)
+    built = run_snakemake(root, config, *targets, "--printshellcmds")
     reference = {
         p.name: p.read_bytes() for p in sorted(results.iterdir()) if p.name.startswith("shard-")
     }
-    plan = run_snakemake(
-        root, config, targets[2], "--forcerun", targets[2], "--dry-run", "--printshellcmds"
-    ).stdout
-    job = next(
+    [job] = [
         line.split("Shell command:", 1)[1].strip()
-        for line in plan.splitlines()
-        if "Shell command:" in line and "scripts/extract.py" in line
-    )
+        for line in (built.stdout + built.stderr).splitlines()
+        if "Shell command:" in line and "scripts/extract.py" in line and " --shard 1 " in line
+    ]
     return root, config, results, targets, reference, job
 
 
