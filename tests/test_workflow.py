@@ -461,9 +461,9 @@ def test_acceptance_gate_fails_the_build_naming_set_k_and_both_numbers(ws):
 
 
 def test_changing_a_training_hyperparameter_retrains_without_extracting(ws):
-    before = {p.name: p.stat().st_mtime_ns for p in (ws.results / "hidden_states").iterdir()}
     """Planned: training and what follows; run: up to the checkpoint (what follows it is what
     the first run's test checks)."""
+    before = {p.name: p.stat().st_mtime_ns for p in (ws.results / "hidden_states").iterdir()}
     ws.write(train={"lr": 0.002})
     planned = job_counts(ws.run("--dry-run"))
     assert planned.get("train") == planned.get("evaluate") == planned.get("report") == 1, planned
