@@ -39,9 +39,7 @@ from eagle3lib.hidden_states import extract_shard  # noqa: E402
 from eagle3lib.verifier import read_record  # noqa: E402
 
 
-def run(cfg: ExtractConfig, results: Path, out: Path) -> dict:
-    samples = load_samples(results / "prepared" / "samples.safetensors")
-    record = read_record(results / "verifier" / "verifier.json")
+def run(cfg: ExtractConfig, samples, record: dict, out: Path) -> dict:
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     stats = extract_shard(
         samples,
@@ -79,13 +77,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     section = yaml.safe_load((ROOT / "config.yaml").read_text())["extract"]
     variants = [int(b) for b in args.batch_tokens.split(",")]
+    samples = load_samples(args.results / "prepared" / "samples.safetensors")
+    record = read_record(args.results / "verifier" / "verifier.json")
     runs: dict[int, list[dict]] = {b: [] for b in variants}
     load = [os.getloadavg()[0]]
     for _ in range(args.rounds):
         for b in variants:
             cfg = from_dict(ExtractConfig, {**section, "batch_tokens": b})
             with tempfile.TemporaryDirectory() as out:
-                runs[b].append(run(cfg, args.results, Path(out)))
+                runs[b].append(run(cfg, samples, record, Path(out)))
             print(f"batch_tokens {b}: {runs[b][-1]}", file=sys.stderr, flush=True)
     load.append(os.getloadavg()[0])
     print(json.dumps({"cpu": precision.cpu_model(), "load": load, "runs": runs}), file=sys.stderr)
