@@ -18,6 +18,8 @@ model are used by both. Variants (``VARIANTS``):
     ours_1thread          ours with one thread running speculators' CollateFn (the old loader)
     ours_workers          ours with speculators' loader, --workers processes
     ours_nobcast          ours whose DDP does not re-send the draft's buffers every step
+    ours_muon_torch       ours_muon with torch's Muon one matrix at a time (as speculators builds
+                          it), not batched by shape (eagle3lib.muon.BatchedMuon)
     ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
                           torch.compile (on an H200 no faster at SmolLM2's shape: BENCHMARKS.md)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
@@ -136,6 +138,7 @@ class Variant:
     broadcast_buffers: bool = True  # DDP re-sends the draft's buffers every forward
     lr_factor: float = 1.0  # a mutation for --same-training
     compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
+    batched_muon: bool = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
 
 
 # ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
@@ -148,7 +151,12 @@ VARIANTS = {
     # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
     # an H200), to size the host time Muon's eager ops cost
     "ours_muon_nscompiled": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, compiled_ns=True
+        optimizer="muon", log_every=TrainConfig.log_every, compiled_ns=True, batched_muon=False
+    ),
+    # ours_muon with torch's Muon as speculators builds it (one matrix at a time), as before
+    # muon.BatchedMuon
+    "ours_muon_torch": Variant(
+        optimizer="muon", log_every=TrainConfig.log_every, batched_muon=False
     ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
@@ -502,7 +510,11 @@ def run_variant(
         base = type(
             "BenchStreamingTrainer",
             (streaming_trainer.StreamingTrainer,),
-            {"sync_free": not v.syncs, "ddp_broadcast_buffers": v.broadcast_buffers},
+            {
+                "sync_free": not v.syncs,
+                "ddp_broadcast_buffers": v.broadcast_buffers,
+                "batched_muon": v.batched_muon,
+            },
         )
     else:
         base = st.Trainer
@@ -669,6 +681,7 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         )
         comparison("speedup_vs_speculators", "ours", best)
     comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
+    comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
     contended = median_of(results, "ours" + CONTEND)
     if contended is not None:
         waits = [r["data_wait_fraction"] for r in results if r["name"] == "ours" + CONTEND]
@@ -726,6 +739,67 @@ def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict,
         f"train.{tag}.same_training.lr2x_max_relative_difference = {mutant:.5f}",
     ]
     return summary, lines
+
+
+def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
+    """BatchedMuon against torch's Muon on the draft's own Muon matrices (speculators' split),
+    ``--muon-check`` steps from the same weights with the same random gradients: the largest
+    relative difference of any step's update (tests/test_muon.py's tolerance is 1 %), and
+    each optimiser's step time (median over the steps after the first, GPU synchronised)."""
+    from speculators.train.optimizers import split_named_params_for_muon
+
+    from eagle3lib import config, train
+    from eagle3lib.muon import BatchedMuon
+
+    cfg = TrainConfig(draft_vocab_size=args.draft_vocab, num_layers=args.num_layers)
+    aux = config.resolve_aux_layers(None, record["num_hidden_layers"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    draft = train.build_draft(cfg, record, aux, vocab_map, "sdpa").to(device)
+    shapes = [tuple(p.shape) for _, p in split_named_params_for_muon(draft)[0]]
+    del draft
+    gen = torch.Generator(device=device).manual_seed(0)
+    start = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
+    grads = [[torch.randn(s, generator=gen, device=device) for s in shapes]
+             for _ in range(args.muon_check)]  # fmt: skip
+    updates, seconds = {}, {}
+    for cls in (torch.optim.Muon, BatchedMuon):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = cls(params, lr=cfg.lr, weight_decay=0.01)
+        updates[cls.__name__], seconds[cls.__name__] = [], []
+        for step in grads:
+            before = [p.detach().clone() for p in params]
+            for p, g in zip(params, step, strict=True):
+                p.grad = g
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            seconds[cls.__name__].append(time.perf_counter() - t0)
+            updates[cls.__name__].append(
+                [p.detach() - b for p, b in zip(params, before, strict=True)]
+            )
+    worst = max(
+        ((a - b).norm() / b.norm()).item()
+        for sa, sb in zip(updates["BatchedMuon"], updates["Muon"], strict=True)
+        for a, b in zip(sa, sb, strict=True)
+    )
+    ms = {k: 1000 * float(np.median(v[1:])) for k, v in seconds.items()}
+    tag = device_tag()
+    summary = {"matrices": len(shapes), "shapes": sorted(set(shapes)), "steps": args.muon_check,
+               "max_relative_difference": worst, "step_ms": ms}  # fmt: skip
+    lines = [
+        f"muon check: {len(shapes)} matrices of {len(set(shapes))} shapes, {args.muon_check} "
+        f"steps; step {ms['Muon']:.2f} ms (torch) vs {ms['BatchedMuon']:.2f} ms (batched)",
+        f"train.{tag}.batched_muon.max_relative_difference = {worst:.5f}",
+        f"train.{tag}.batched_muon.step_ms = {ms['BatchedMuon']:.2f}",
+        f"train.{tag}.torch_muon.step_ms = {ms['Muon']:.2f}",
+    ]
+    return summary, lines
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def device_tag() -> str:
@@ -790,6 +864,13 @@ def main() -> None:
         help="verifier shape; smollm2: the quality preset's (sample lengths 256-1024, packs of "
         "8192 unless --total-seq-len)",
     )
+    p.add_argument(
+        "--muon-check",
+        type=int,
+        default=0,
+        help="N steps of BatchedMuon against torch's Muon on the draft's matrices (update "
+        "difference and optimiser step time)",
+    )
     p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench-train"))
     args = p.parse_args()
     smoke = args.smoke
@@ -835,6 +916,7 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             partial.write_text(json.dumps(results, indent=2))  # what a timed-out call keeps
         same = None
+        checked = muon_check(args, record, vocab_map) if args.muon_check else None
         if args.same_training:
             same = same_training(args, record, data, vocab_map, out)
     rank = int(os.environ.get("RANK", "0"))
@@ -859,6 +941,9 @@ def main() -> None:
     if same is not None:
         summary["same_training"] = same[0]
         lines += same[1]
+    if checked is not None:
+        summary["muon_check"] = checked[0]
+        lines += checked[1]
     fp8 = pairs(results, "ours_fp8", "ours")
     if fp8:  # the same states from fp8 shards (dequantized on the GPU) against bf16 shards
         lines.append("fp8 / bf16 per pair: " + ", ".join(f"{x:.3f}" for x in fp8))

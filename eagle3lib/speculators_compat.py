@@ -77,6 +77,12 @@ def _cpu_optimizers(original, _context) -> Callable:
     return lambda model, config: cpu_optimizers(original(model, config))
 
 
+def _batched_muon(original, _context) -> Callable:
+    from eagle3lib.muon import gpu_optimizers
+
+    return lambda model, config: gpu_optimizers(original(model, config))
+
+
 def _fused_adamw(_original, _context) -> Callable:
     def fused_adamw(model, config):
         params = model.named_parameters()
@@ -249,6 +255,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch("fused_adamw", f"{_TRAINER}.build_optimizers", _fused_adamw, SPECULATORS,
           "on a GPU speculators' AdamW (foreach) runs as one fused kernel: the same update, "
           "fewer launches; applied only while StreamingTrainer.setup_optimizer runs",
+          "speculators.train.optimizers.build_optimizers"),
+    Patch("batched_muon", f"{_TRAINER}.build_optimizers", _batched_muon, SPECULATORS,
+          "on a GPU speculators' Muon (torch's, one matrix at a time) runs batched by matrix "
+          "shape (muon.BatchedMuon): torch's formulas in fewer launches; applied only while "
+          "StreamingTrainer.setup_optimizer runs",
           "speculators.train.optimizers.build_optimizers"),
     Patch("sync_free_eagle3", f"{_METRICS}.compute_accuracy_single_step", _sync_free_accuracy,
           SPECULATORS, f"{_SYNC_WHY}: accuracy counts by masked sums (accuracy_counts)",

@@ -137,6 +137,7 @@ class StreamingTrainer(Trainer):
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
     loader_threads = 4  # threads building batches (train.loader_threads); 0: one, as before
     sync_free = True  # speculators' loss metrics without host syncs (entries sync_free_eagle3)
+    batched_muon = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
 
     progress: TrainingProgress | None = None
     # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
@@ -157,9 +158,19 @@ class StreamingTrainer(Trainer):
             return super().run_training()
 
     def setup_optimizer(self):
-        """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)."""
-        fused = torch.cuda.is_available() and self.config.optimizer == "adamw"
-        with speculators_patches(*(("fused_adamw",) if fused else ())):
+        """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)
+        and its Muon batched by matrix shape (``batched_muon``; torch's update within bf16
+        rounding)."""
+        gpu, optimizer = torch.cuda.is_available(), self.config.optimizer
+        patches = [
+            name
+            for name, on in (
+                ("fused_adamw", gpu and optimizer == "adamw"),
+                ("batched_muon", gpu and optimizer == "muon" and self.batched_muon),
+            )
+            if on
+        ]
+        with speculators_patches(*patches):
             return super().setup_optimizer()
 
     def _prefetched(self, loader, depth: int = 4):

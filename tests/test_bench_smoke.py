@@ -37,12 +37,17 @@ def test_train_smoke(tmp_path):
 
     out = smoke(
         "train.py", "--profile-steps", "0", "--variants", "ours,speculators_fastest",
-        "--num-layers", "2", "--out", str(tmp_path),
+        "--num-layers", "2", "--muon-check", "2", "--out", str(tmp_path),
     )  # fmt: skip
-    results = json.loads((tmp_path / "bench_train.json").read_text())["results"]
+    summary = json.loads((tmp_path / "bench_train.json").read_text())
+    results = summary["results"]
     assert [r["name"] for r in results] == ["ours", "speculators_fastest"]
     assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)
     assert "train.cpu.tokens_per_s = " in out
+    # BatchedMuon against torch's Muon on the two-layer draft's Muon matrices
+    check = summary["muon_check"]
+    assert check["matrices"] == 1 + 2 * 7 and check["max_relative_difference"] < 0.01
+    assert "train.cpu.batched_muon.max_relative_difference = " in out
 
 
 def test_forward_speed_smoke():

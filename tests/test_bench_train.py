@@ -32,6 +32,7 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
             run("speculators_w12", 25200),
             run("ours_muon", [30000, 31000, 29000][k]),
             run("speculators_cli", 15500),
+            run("ours_muon_torch", [25000, 31000, 20000][k]),
             run("ours+contend", [44000, 43000, 45000][k], [0.01, 0.015, 0.012][k]),
         ]
     summary, lines = bench.summarize(results, "h200")
@@ -45,12 +46,18 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
     assert "train.h200.contended.tokens_per_s = 44000" in lines
     assert "train.h200.contended.data_wait_fraction = 0.0150 (max)" in lines
     assert "train.h200.contended.vs_quiet = 0.978" in lines
+    batched = summary["batched_muon.speedup_vs_torch_muon"]
+    assert batched["pairs"] == [1.2, 1.0, 1.45] and batched["against"] == "ours_muon_torch"
+    assert "train.h200.batched_muon.speedup_vs_torch_muon = 1.000" in lines
 
 
 def test_contend_modifier_names_a_known_variant(bench):
     assert bench.variant("ours+contend") == bench.VARIANTS["ours"]
     assert bench.variant("speculators_cli").optimizer == "muon"
     assert bench.VARIANTS["ours_muon"].log_every == 10  # the workflow's default
+    assert bench.VARIANTS["ours_muon"].batched_muon  # as the train stage runs on a GPU
+    assert not bench.VARIANTS["ours_muon_torch"].batched_muon
+    assert bench.VARIANTS["ours_muon_torch"].optimizer == "muon"
 
 
 def test_compiled_newton_schulz_is_torchs_function_compiled_and_restored(bench):

@@ -1,0 +1,133 @@
+"""BatchedMuon: torch's Muon update, batched by matrix shape."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagle3lib import muon, speculators_compat
+from eagle3lib.muon import BatchedMuon
+
+# A small three-layer draft's matrix shapes in miniature: wide, tall (transposed before the
+# iteration, sharing a group with the wide ones of the same oriented shape), and repeats.
+SHAPES = [(16, 48), (48, 16), (16, 48), (24, 24), (24, 24), (8, 24), (24, 8), (16, 32)]
+GROUPS = 4  # oriented shapes: 16x48, 24x24, 8x24, 16x32
+
+
+def steps(cls, *, nesterov=True, adjust_lr_fn=None, n=4, ns_steps=5):
+    """Each step's update of every matrix, and the final momentum buffers, for ``n`` steps of
+    ``cls`` from the same weights and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = cls(params, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn,
+              ns_steps=ns_steps)  # fmt: skip
+    updates = []
+    for _ in range(n):
+        before = [p.detach().clone() for p in params]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        updates.append([p.detach() - b for p, b in zip(params, before, strict=True)])
+    return updates, [opt.state[p]["momentum_buffer"] for p in params]
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"], ids=str)
+def test_batched_update_equals_torchs_muon_within_bf16_rounding(nesterov, adjust_lr_fn):
+    """Stated tolerance: every step's update of every matrix within 1 % (relative Frobenius
+    norm) of torch's; the momentum buffers (fp32, no matmul) are equal."""
+    ours, our_bufs = steps(BatchedMuon, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    torchs, torch_bufs = steps(torch.optim.Muon, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    for mine, theirs in zip(our_bufs, torch_bufs, strict=True):
+        assert torch.equal(mine, theirs)
+    for step_ours, step_torch in zip(ours, torchs, strict=True):
+        for shape, mine, theirs in zip(SHAPES, step_ours, step_torch, strict=True):
+            assert mine.shape == shape and mine.dtype == torch.float32
+            assert (mine - theirs).norm() / theirs.norm() < 0.01, shape
+
+
+def test_a_wrong_update_is_outside_the_tolerance():
+    """The tolerance separates: torch's Muon with other settings differs by far more."""
+    torchs, _ = steps(torch.optim.Muon)
+    other, _ = steps(torch.optim.Muon, adjust_lr_fn="match_rms_adamw")
+    fewer, _ = steps(torch.optim.Muon, ns_steps=4)
+    for changed in (other, fewer):
+        worst = max(
+            ((a - b).norm() / b.norm()).item()
+            for sa, sb in zip(changed, torchs, strict=True)
+            for a, b in zip(sa, sb, strict=True)
+        )
+        assert worst > 0.05
+
+
+class MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def matmuls(cls) -> int:
+    """The matmul launches of one step of ``cls`` over SHAPES."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = cls(params, lr=0.02)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with MatmulCount() as seen:
+        opt.step()
+    return sum(seen.counts.get(k, 0) for k in ("mm", "addmm", "bmm", "baddbmm"))
+
+
+def test_one_set_of_matmuls_per_matrix_shape():
+    """Batched: 3 matmuls per Newton-Schulz iteration for each oriented shape; torch's Muon
+    does them for each matrix."""
+    assert matmuls(BatchedMuon) == 3 * 5 * GROUPS
+    assert matmuls(torch.optim.Muon) == 3 * 5 * len(SHAPES)
+
+
+def test_large_matrices_take_torchs_own_iteration_exactly(monkeypatch):
+    """Above BATCH_MAX_ELEMENTS every matrix goes through torch's function, one at a time:
+    the same launches as torch's Muon and, on the CPU, the same bytes."""
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)
+    assert matmuls(BatchedMuon) == 3 * 5 * len(SHAPES)
+    ours, _ = steps(BatchedMuon)
+    torchs, _ = steps(torch.optim.Muon)
+    for step_ours, step_torch in zip(ours, torchs, strict=True):
+        for mine, theirs in zip(step_ours, step_torch, strict=True):
+            assert torch.equal(mine, theirs)
+
+
+def test_gpu_optimizers_swap_torchs_muon_only_and_keep_its_settings():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    torch_muon = torch.optim.Muon(
+        [(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.01, ns_steps=4
+    )
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim == 1])
+    out = muon.gpu_optimizers([torch_muon, adamw])
+    assert type(out[0]) is BatchedMuon and out[1] is adamw
+    assert out[0].state_dict() == torch_muon.state_dict()  # same groups, names and settings
+    model[0].weight.grad = torch.randn(8, 8)
+    out[0].step()
+    with pytest.raises(ValueError, match="before its first step"):
+        muon.like(BatchedMuon, out[0])
+
+
+def test_the_patch_swaps_speculators_muon_while_applied():
+    """The ``batched_muon`` entry (StreamingTrainer.setup_optimizer applies it on a GPU):
+    speculators' build_optimizers then returns BatchedMuon, and torch's Muon again after."""
+    from speculators.train import trainer
+
+    class Config:
+        optimizer, lr, weight_decay = "muon", 0.01, 0.0
+        muon_lr, muon_momentum, muon_weight_decay, muon_ns_steps = 0.01, 0.95, 0.1, 5
+        muon_adjust_lr_fn = None
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with speculators_compat.speculators_patches("batched_muon"):
+        inside = trainer.build_optimizers(model, Config())
+    outside = trainer.build_optimizers(model, Config())
+    assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"]
+    assert [type(o).__name__ for o in outside] == ["Muon", "AdamW"]
