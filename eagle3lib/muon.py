@@ -20,7 +20,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 # Matrices up to this many elements are orthogonalised batched by shape. On one H200
 # (BENCHMARKS.md) batching every shape made the Muon step of a Llama-8B-shaped draft (its
-# smallest matrices 1024 x 8192) 5 % slower and that of a SmolLM2-shaped one (at most
+# smallest matrices 1024 x 8192) 5.6 % slower and that of a SmolLM2-shaped one (at most
 # 576 x 1728) 2.5 x faster; this bound lies between the two.
 BATCH_MAX_ELEMENTS = 1 << 22
 
