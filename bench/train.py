@@ -742,14 +742,16 @@ def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict,
 
 
 def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
-    """BatchedMuon against torch's Muon on the draft's own Muon matrices (speculators' split),
-    ``--muon-check`` steps from the same weights with the same random gradients: the largest
-    relative difference of any step's update (tests/test_muon.py's tolerance is 1 %), and
-    each optimiser's step time (median over the steps after the first, GPU synchronised)."""
+    """The train job's Muon on a GPU (``muon.gpu_optimizers``: BatchedMuon for the small
+    matrices, torch's Muon for the large) against torch's Muon alone, on the draft's own Muon
+    matrices (speculators' split), ``--muon-check`` steps from the same weights with the same
+    random gradients: the largest relative difference of any step's update
+    (tests/test_muon.py's tolerance is 1 %), and each one's step time (median over the steps
+    after the first, GPU synchronised)."""
     from speculators.train.optimizers import split_named_params_for_muon
 
     from eagle3lib import config, train
-    from eagle3lib.muon import BatchedMuon
+    from eagle3lib.muon import BatchedMuon, gpu_optimizers
 
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, num_layers=args.num_layers)
     aux = config.resolve_aux_layers(None, record["num_hidden_layers"])
@@ -762,22 +764,25 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
     grads = [[torch.randn(s, generator=gen, device=device) for s in shapes]
              for _ in range(args.muon_check)]  # fmt: skip
     updates, seconds = {}, {}
-    for cls in (torch.optim.Muon, BatchedMuon):
+    for name in ("Muon", "BatchedMuon"):
         params = [torch.nn.Parameter(w.clone()) for w in start]
-        opt = cls(params, lr=cfg.lr, weight_decay=0.01)
-        updates[cls.__name__], seconds[cls.__name__] = [], []
+        opts = [torch.optim.Muon(params, lr=cfg.lr, weight_decay=0.01)]
+        if name == "BatchedMuon":
+            opts = gpu_optimizers(opts)
+            batched = sum(len(g["params"]) for o in opts if type(o) is BatchedMuon
+                          for g in o.param_groups)  # fmt: skip
+        updates[name], seconds[name] = [], []
         for step in grads:
             before = [p.detach().clone() for p in params]
             for p, g in zip(params, step, strict=True):
                 p.grad = g
             sync()
             t0 = time.perf_counter()
-            opt.step()
+            for opt in opts:
+                opt.step()
             sync()
-            seconds[cls.__name__].append(time.perf_counter() - t0)
-            updates[cls.__name__].append(
-                [p.detach() - b for p, b in zip(params, before, strict=True)]
-            )
+            seconds[name].append(time.perf_counter() - t0)
+            updates[name].append([p.detach() - b for p, b in zip(params, before, strict=True)])
     worst = max(
         ((a - b).norm() / b.norm()).item()
         for sa, sb in zip(updates["BatchedMuon"], updates["Muon"], strict=True)
@@ -785,11 +790,13 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
     )
     ms = {k: 1000 * float(np.median(v[1:])) for k, v in seconds.items()}
     tag = device_tag()
-    summary = {"matrices": len(shapes), "shapes": sorted(set(shapes)), "steps": args.muon_check,
+    summary = {"matrices": len(shapes), "batched_matrices": batched,
+               "shapes": sorted(set(shapes)), "steps": args.muon_check,
                "max_relative_difference": worst, "step_ms": ms}  # fmt: skip
     lines = [
-        f"muon check: {len(shapes)} matrices of {len(set(shapes))} shapes, {args.muon_check} "
-        f"steps; step {ms['Muon']:.2f} ms (torch) vs {ms['BatchedMuon']:.2f} ms (batched)",
+        f"muon check: {len(shapes)} matrices of {len(set(shapes))} shapes ({batched} batched), "
+        f"{args.muon_check} steps; step {ms['Muon']:.2f} ms (torch) vs "
+        f"{ms['BatchedMuon']:.2f} ms (the train job's)",
         f"train.{tag}.batched_muon.max_relative_difference = {worst:.5f}",
         f"train.{tag}.batched_muon.step_ms = {ms['BatchedMuon']:.2f}",
         f"train.{tag}.torch_muon.step_ms = {ms['Muon']:.2f}",

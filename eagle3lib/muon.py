@@ -4,24 +4,24 @@ torch.optim.Muon (speculators' Muon) orthogonalises each weight matrix on its ow
 eager operations per matrix (momentum, cast, norm, 5 Newton-Schulz iterations of three
 matmuls, weight decay, update). A small draft's step is bound by the host launching them
 (three SmolLM2-sized layers: 22 matrices, about 500 launches a step). ``BatchedMuon`` stacks
-the small matrices of one shape (taken in the orientation torch orthogonalises them in, rows
-<= columns) and runs the same iteration with batched matmuls; the momentum, weight decay and
-update run as foreach operations. Large matrices (above ``BATCH_MAX_ELEMENTS``, where the
-GPU's matmuls, not the launches, take the time) and shapes of one matrix go through torch's
-own ``_zeropower_via_newtonschulz``. Every formula is torch's; only the launch grouping
-differs, so the update equals torch's up to the rounding of batched against single matmuls
-(tests/test_muon.py states the tolerance)."""
+the matrices of one shape (taken in the orientation torch orthogonalises them in, rows <=
+columns) and runs the same iteration with batched matmuls; the momentum, weight decay and
+update run as foreach operations. Every formula is torch's; only the launch grouping differs,
+so the update equals torch's up to the rounding of batched against single matmuls
+(tests/test_muon.py states the tolerance). ``gpu_optimizers`` gives it the matrices of at most
+``BATCH_MAX_ELEMENTS`` elements and leaves larger ones, where the GPU's matmuls and not the
+launches take the time, to torch's Muon as built."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
 
-# Matrices up to this many elements are orthogonalised batched by shape. On one H200
-# (BENCHMARKS.md) batching every shape made the Muon step of a Llama-8B-shaped draft (its
-# smallest matrices 1024 x 8192) 5.6 % slower and that of a SmolLM2-shaped one (at most
-# 576 x 1728) 2.5 x faster; this bound lies between the two.
+# Matrices up to this many elements go to BatchedMuon. On one H200 (BENCHMARKS.md) batching
+# made the Muon step of a SmolLM2-shaped draft (matrices of at most 576 x 1728) 2.5 x faster
+# and that of a Llama-8B-shaped one (its smallest matrices 1024 x 8192) 5.6 % slower; this
+# bound lies between the two.
 BATCH_MAX_ELEMENTS = 1 << 22
 
 
@@ -49,15 +49,10 @@ def _by_shape(updates: list[Tensor]) -> dict[tuple, list[int]]:
 
 
 def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float):
-    """Each update's orthogonalisation, in the input's orientation: the small matrices of a
-    shape batched (returned in the update's dtype: bf16 to fp32 is exact), the others by
-    torch's own function (bf16)."""
+    """Each update's orthogonalisation, in the input's orientation and dtype (bf16 to fp32
+    is exact), the matrices of one shape batched."""
     out: list[Tensor | None] = [None] * len(updates)
-    for (m, n, _, dtype), indices in _by_shape(updates).items():
-        if len(indices) == 1 or m * n > BATCH_MAX_ELEMENTS:
-            for i in indices:
-                out[i] = _zeropower_via_newtonschulz(updates[i], coefficients, steps, eps)
-            continue
+    for (*_, dtype), indices in _by_shape(updates).items():
         tall = [updates[i].shape[0] > updates[i].shape[1] for i in indices]
         stacked = torch.stack(
             [updates[i].T if t else updates[i] for i, t in zip(indices, tall, strict=True)]
@@ -76,13 +71,12 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
     updates = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
     ortho = _orthogonalised(updates, ns_coefficients, ns_steps, eps)
     torch._foreach_mul_(params, 1 - lr * weight_decay)
-    by_alpha: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
+    by_alpha: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, o in zip(params, ortho, strict=True):
-        alpha = -_adjust_lr(lr, adjust_lr_fn, p.shape)
-        ps, us = by_alpha.setdefault((alpha, o.dtype), ([], []))
+        ps, us = by_alpha.setdefault(-_adjust_lr(lr, adjust_lr_fn, p.shape), ([], []))
         ps.append(p)
         us.append(o)
-    for (alpha, _), (ps, us) in by_alpha.items():
+    for alpha, (ps, us) in by_alpha.items():
         torch._foreach_add_(ps, us, alpha=alpha)
 
 
@@ -117,14 +111,37 @@ class BatchedMuon(torch.optim.Muon):
         return loss
 
 
-def like(cls, muon: torch.optim.Muon) -> torch.optim.Muon:
-    """A ``cls`` (a Muon subclass) with the parameter groups and settings of a freshly built
-    ``muon`` (no state yet)."""
-    if muon.state:
-        raise ValueError("convert Muon before its first step")
-    return cls([dict(group) for group in muon.param_groups], **muon.defaults)
+def _split(muon: torch.optim.Muon) -> tuple[list[dict], list[dict]]:
+    """``muon``'s parameter groups split in two: matrices of at most BATCH_MAX_ELEMENTS
+    elements, and larger ones (names and settings kept; empty groups left out)."""
+    small, large = [], []
+    for group in muon.param_groups:
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        names = group.get("param_names")
+        for keep, into in ((True, small), (False, large)):
+            idx = [i for i, p in enumerate(group["params"])
+                   if (p.numel() <= BATCH_MAX_ELEMENTS) is keep]  # fmt: skip
+            if idx:
+                part = {**settings, "params": [group["params"][i] for i in idx]}
+                if names is not None:
+                    part["param_names"] = [names[i] for i in idx]
+                into.append(part)
+    return small, large
 
 
 def gpu_optimizers(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """speculators' optimisers for a GPU run: its Muon batched by shape, the others as built."""
-    return [like(BatchedMuon, o) if type(o) is torch.optim.Muon else o for o in optimizers]
+    """speculators' optimisers for a GPU run: its Muon's small matrices in a BatchedMuon, its
+    large ones left to torch's Muon (as built when all are large), the others as built."""
+    out: list[torch.optim.Optimizer] = []
+    for o in optimizers:
+        if type(o) is not torch.optim.Muon:
+            out.append(o)
+            continue
+        if o.state:
+            raise ValueError("convert Muon before its first step")
+        small, large = _split(o)
+        if small:
+            out.append(BatchedMuon(small, **o.defaults))
+        if large:
+            out.append(torch.optim.Muon(large, **o.defaults) if small else o)
+    return out

@@ -112,11 +112,16 @@ class Fp32Muon(torch.optim.Muon):
             super().step()
         return loss
 
+    @classmethod
+    def like(cls, muon: torch.optim.Muon) -> Fp32Muon:
+        """The same parameter groups and settings as a freshly built ``muon`` (no state yet)."""
+        if muon.state:
+            raise ValueError("convert Muon before its first step")
+        return cls([dict(group) for group in muon.param_groups], **muon.defaults)
+
 
 def cpu_optimizers(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     """speculators' optimisers for a CPU run: Muon in fp32 where bf16 is slow, else as built."""
     if cpu_native_bf16():
         return optimizers
-    from eagle3lib.muon import like
-
-    return [like(Fp32Muon, o) if type(o) is torch.optim.Muon else o for o in optimizers]
+    return [Fp32Muon.like(o) if type(o) is torch.optim.Muon else o for o in optimizers]

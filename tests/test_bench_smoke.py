@@ -46,7 +46,10 @@ def test_train_smoke(tmp_path):
     assert "train.cpu.tokens_per_s = " in out
     # BatchedMuon against torch's Muon on the two-layer draft's Muon matrices
     check = summary["muon_check"]
-    assert check["matrices"] == 1 + 2 * 7 and check["max_relative_difference"] < 0.01
+    assert (
+        check["matrices"] == check["batched_matrices"] == 1 + 2 * 7
+        and check["max_relative_difference"] < 0.01
+    )
     assert "train.cpu.batched_muon.max_relative_difference = " in out
 
 

@@ -88,31 +88,50 @@ def test_one_set_of_matmuls_per_matrix_shape():
     assert matmuls(torch.optim.Muon) == 3 * 5 * len(SHAPES)
 
 
-def test_large_matrices_take_torchs_own_iteration_exactly(monkeypatch):
-    """Above BATCH_MAX_ELEMENTS every matrix goes through torch's function, one at a time:
-    the same launches as torch's Muon and, on the CPU, the same bytes."""
-    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)
-    assert matmuls(BatchedMuon) == 3 * 5 * len(SHAPES)
-    ours, _ = steps(BatchedMuon)
-    torchs, _ = steps(torch.optim.Muon)
-    for step_ours, step_torch in zip(ours, torchs, strict=True):
-        for mine, theirs in zip(step_ours, step_torch, strict=True):
-            assert torch.equal(mine, theirs)
+def built(model):
+    """speculators' Muon over ``model``'s 2-D weights (named), and an AdamW for the rest."""
+    muon_params = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+    torch_muon = torch.optim.Muon(muon_params, lr=0.01, ns_steps=4)
+    return torch_muon, torch.optim.AdamW([p for p in model.parameters() if p.ndim == 1])
 
 
-def test_gpu_optimizers_swap_torchs_muon_only_and_keep_its_settings():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    torch_muon = torch.optim.Muon(
-        [(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=0.01, ns_steps=4
-    )
-    adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim == 1])
+def test_gpu_optimizers_batch_small_matrices_and_keep_torchs_settings():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    torch_muon, adamw = built(model)
     out = muon.gpu_optimizers([torch_muon, adamw])
-    assert type(out[0]) is BatchedMuon and out[1] is adamw
+    assert [type(o) for o in out] == [BatchedMuon, torch.optim.AdamW] and out[1] is adamw
     assert out[0].state_dict() == torch_muon.state_dict()  # same groups, names and settings
     model[0].weight.grad = torch.randn(8, 8)
     out[0].step()
     with pytest.raises(ValueError, match="before its first step"):
-        muon.like(BatchedMuon, out[0])
+        muon.gpu_optimizers([_stepped_muon()])
+
+
+def _stepped_muon():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.Muon([p], lr=0.01)
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    return opt
+
+
+def test_gpu_optimizers_leave_large_matrices_to_torchs_muon(monkeypatch):
+    """Above BATCH_MAX_ELEMENTS a matrix stays with torch's Muon: all large, the very object
+    speculators built; mixed, a BatchedMuon and a torch Muon sharing the matrices, names and
+    settings between them."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    torch_muon, adamw = built(model)
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)
+    assert muon.gpu_optimizers([torch_muon, adamw])[0] is torch_muon
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 32)  # the 8 x 4 weight: small
+    small, large, rest = muon.gpu_optimizers([torch_muon, adamw])
+    assert type(small) is BatchedMuon and type(large) is torch.optim.Muon and rest is adamw
+    assert small.param_groups[0]["param_names"] == ["2.weight"]
+    assert large.param_groups[0]["param_names"] == ["0.weight"]
+    assert small.param_groups[0]["params"][0] is model[2].weight
+    assert large.param_groups[0]["params"][0] is model[0].weight
+    assert small.defaults == large.defaults == torch_muon.defaults
+    assert large.param_groups[0]["ns_steps"] == 4
 
 
 def test_the_patch_swaps_speculators_muon_while_applied():
