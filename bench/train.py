@@ -201,8 +201,11 @@ def make_verifier(path: Path, shape: dict) -> Path:
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    if (path / "model.safetensors").exists():
-        return path
+    if (path / "model.safetensors").exists():  # an earlier run's: reused if of this shape
+        saved = json.loads((path / "config.json").read_text())
+        if all(saved.get(k) == v for k, v in shape.items()):
+            return path
+        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).save_pretrained(path)
     words = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"])}

@@ -79,3 +79,17 @@ def test_compiled_newton_schulz_is_torchs_function_compiled_and_restored(bench):
     expected = eager(grad, *args)
     assert compiled.shape == expected.shape == (16, 8)
     torch.testing.assert_close(compiled.float(), expected.float(), rtol=0.02, atol=0.02)
+
+
+def test_a_verifier_of_another_shape_is_not_reused(bench, tmp_path):
+    """--out kept from a run of another --shape: the verifier is rebuilt, not reused."""
+    import json
+
+    small = dict(bench.TINY)
+    path = bench.make_verifier(tmp_path / "verifier", small)
+    first = (path / "model.safetensors").stat().st_mtime_ns
+    assert bench.make_verifier(path, small) == path  # the same shape: reused as it is
+    assert (path / "model.safetensors").stat().st_mtime_ns == first
+    other = dict(small, vocab_size=small["vocab_size"] * 2)
+    bench.make_verifier(path, other)
+    assert json.loads((path / "config.json").read_text())["vocab_size"] == other["vocab_size"]
