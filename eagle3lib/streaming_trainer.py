@@ -31,16 +31,22 @@ def progress_line(
     seconds: float,
     steps_run: int,
     elapsed: float | None = None,
+    recent: tuple[int, float] | None = None,
 ) -> str:
     """One line of training progress: ``step`` of ``total`` done; the pace from ``steps_run``
     steps (``tokens`` real tokens) in ``seconds`` run by this process, the rest extrapolated at
-    it; ``elapsed`` the process's training time so far (``seconds`` where not given)."""
+    it; ``elapsed`` the process's training time so far (``seconds`` where not given);
+    ``recent``: (steps, seconds) since the previous line, its time a step (a pace that falls
+    during an epoch shows there, where the pace from the start hides it)."""
     rate = tokens / seconds if seconds > 0 else 0.0
     left = (total - step) * seconds / steps_run if steps_run else 0.0
-    return (
+    line = (
         f"train: step {step}/{total} (epoch {epoch + 1}/{epochs}), {rate:,.0f} tokens/s, "
         f"{duration(seconds if elapsed is None else elapsed)} elapsed, about {duration(left)} left"
     )
+    if recent and recent[0]:
+        line += f"; {1000 * recent[1] / recent[0]:,.1f} ms a step since the last line"
+    return line
 
 
 def first_step_line(
@@ -74,6 +80,7 @@ class TrainingProgress:
         self.first = self.start  # the end of the first step
         self.tokens = 0
         self.steps_run = 0
+        self.steps_at_last = 0  # steps_run at the previous line
 
     def epoch_started(self, epoch: int, steps_before: int, steps_in_epoch: int) -> None:
         """The run's total, as if every epoch left had this one's steps (the sampler's packing,
@@ -97,6 +104,7 @@ class TrainingProgress:
             self.tokens += tokens  # the pace leaves the first step out
             if step < self.total and now - self.last < self.every:
                 return
+            recent = (self.steps_run - self.steps_at_last, now - self.last)
             self.last = now
             line = progress_line(
                 step,
@@ -107,7 +115,9 @@ class TrainingProgress:
                 now - self.first,
                 self.steps_run - 1,
                 elapsed=now - self.start,
+                recent=recent,
             )
+        self.steps_at_last = self.steps_run
         print(line, file=self.stream or sys.stderr, flush=True)
 
 

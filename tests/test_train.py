@@ -572,9 +572,14 @@ def test_progress_prints_the_first_step_then_every_interval_and_the_last(monkeyp
     )
     assert [line.split(" (")[0] for line in lines[1:]] == ["train: step 3/5", "train: step 5/5"]
     # steps 2-3 (200 tokens) in 11.5 s after the first; 2 steps left at 5.75 s each
-    assert lines[1].endswith("17 tokens/s, 1 min 52 s elapsed, about 12 s left")
-    # steps 2-5 (400 tokens) in 13 s after the first: the first step's 100 s not in the pace
-    assert lines[-1].endswith("31 tokens/s, 1 min 53 s elapsed, about 0 s left")
+    assert lines[1].endswith(
+        "17 tokens/s, 1 min 52 s elapsed, about 12 s left; 5,750.0 ms a step since the last line"
+    )
+    # steps 2-5 (400 tokens) in 13 s after the first: the first step's 100 s not in the pace;
+    # since the line before, steps 4-5 in 1.5 s
+    assert lines[-1].endswith(
+        "31 tokens/s, 1 min 53 s elapsed, about 0 s left; 750.0 ms a step since the last line"
+    )
 
 
 def test_progress_total_follows_each_epochs_step_count_and_max_steps():
@@ -598,4 +603,5 @@ def test_streaming_trainer_prints_progress_to_stderr(pipeline, tmp_path, capfd):
         " of it waiting for its batch, the rest set-up, any compilation and the step)" in lines[0]
     )
     assert lines[-1].startswith(f"train: step {steps}/{steps} (epoch 2/2), ")
-    assert "tokens/s" in lines[-1] and lines[-1].endswith("about 0 s left")
+    assert "tokens/s" in lines[-1] and "about 0 s left; " in lines[-1]
+    assert lines[-1].endswith(" ms a step since the last line")
