@@ -6,9 +6,10 @@ matmuls, weight decay, update). A small draft's step is bound by the host launch
 (three SmolLM2-sized layers: 22 matrices, about 500 launches a step). ``BatchedMuon`` stacks
 the matrices of one shape (taken in the orientation torch orthogonalises them in, rows <=
 columns) and runs the same iteration with batched matmuls; the momentum, weight decay and
-update run as foreach operations. Every formula is torch's; only the launch grouping differs,
-so the update equals torch's up to the rounding of batched against single matmuls
-(tests/test_muon.py states the tolerance). ``gpu_optimizers`` gives it the matrices of at most
+update run as foreach operations. Every formula is torch's; the launch grouping differs, so
+the update equals torch's up to the rounding of batched against single matmuls
+(tests/test_muon.py states the tolerance), and the step holds all its matrices' updates at
+once (stacked), not one matrix's at a time. ``gpu_optimizers`` gives it the matrices of at most
 ``BATCH_MAX_ELEMENTS`` elements and leaves larger ones, where the GPU's matmuls and not the
 launches take the time, to torch's Muon as built."""
 
@@ -19,10 +20,11 @@ from torch import Tensor
 from torch.optim._muon import _adjust_lr
 
 # Matrices up to this many elements go to BatchedMuon. On one H200 (BENCHMARKS.md) batching
-# made the Muon step of a SmolLM2-shaped draft (matrices of at most 576 x 1728) 2.5 x faster
-# and that of a Llama-8B-shaped one (its smallest matrices 1024 x 8192) 5.6 % slower; this
-# bound lies between the two.
-BATCH_MAX_ELEMENTS = 1 << 22
+# made the Muon step of a SmolLM2-shaped draft (matrices of at most 576 x 1728, about 1.0 M
+# elements) 2.5 x faster and that of a Llama-8B-shaped one 5.6 % slower; the smallest matrix
+# of an 8B-shaped draft of any depth (k and v of the layers after the first: 1024 x 4096,
+# 4.2 M) is above this bound, so such drafts keep torch's Muon.
+BATCH_MAX_ELEMENTS = 1 << 21
 
 
 def _newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
@@ -81,9 +83,9 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch.optim.Muon whose step runs ``batched_muon``: the same settings, state (one
-    momentum buffer per matrix) and checkpoints. Sharded (DTensor) parameters take torch's
-    own step."""
+    """torch.optim.Muon whose step runs ``batched_muon``: the same settings and state (one
+    momentum buffer per matrix), so its state dict loads into torch's Muon over the same
+    matrices and back. Sharded (DTensor) parameters take torch's own step."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,7 +133,9 @@ def _split(muon: torch.optim.Muon) -> tuple[list[dict], list[dict]]:
 
 def gpu_optimizers(optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     """speculators' optimisers for a GPU run: its Muon's small matrices in a BatchedMuon, its
-    large ones left to torch's Muon (as built when all are large), the others as built."""
+    large ones left to torch's Muon (as built when all are large), the others as built. A
+    mixed draft gets one optimiser more than speculators builds, so its saved training state
+    has another layout (``train._fingerprint`` tells the two apart)."""
     out: list[torch.optim.Optimizer] = []
     for o in optimizers:
         if type(o) is not torch.optim.Muon:

@@ -212,19 +212,38 @@ def _expected_shards(manifests: list[dict], record: dict[str, Any]) -> dict[str,
     }
 
 
-def _fingerprint(cfg, manifests: list[dict], vocab_map: dict, runtime: dict) -> dict[str, Any]:
+def muon_layout(cfg, trainer_class) -> str | None:
+    """How the run splits speculators' Muon (``muon.gpu_optimizers``, on a GPU where the
+    trainer batches it), or None where it runs as speculators builds it."""
+    from eagle3lib.muon import BATCH_MAX_ELEMENTS
+
+    batched = getattr(trainer_class, "batched_muon", False) and torch.cuda.is_available()
+    if cfg.optimizer != "muon" or not batched:
+        return None
+    return f"batched up to {BATCH_MAX_ELEMENTS} elements"
+
+
+def _fingerprint(
+    cfg, manifests: list[dict], vocab_map: dict, runtime: dict, layout: str | None = None
+) -> dict[str, Any]:
     """What the trained state depends on: a state folder made with another is not resumed.
     How often state is saved, on how many GPUs and by how many loader threads do not change
-    what is trained; speculators' packing is left out as before the option existed."""
+    what is trained; speculators' packing is left out as before the option existed.
+    ``layout`` (``muon_layout``): the saved optimiser state's layout where it is not
+    speculators' (a mixed draft's has one optimiser more), so a folder of the other layout
+    starts afresh instead of failing to load."""
     trained = {k: v for k, v in vars(cfg).items() if k not in RESOURCE_KEYS}
     if trained["packing"] == "multipack":
         del trained["packing"]
-    return {
+    fingerprint = {
         "train": trained,
         "shards": [m["file"]["sha256"] for m in manifests],
         "vocab": sha256_json(vocab_map["d2t"].tolist()),
         "runtime": {"attention": runtime["attention"], "loss": runtime["loss"]},
     }
+    if layout is not None:
+        fingerprint["runtime"]["muon"] = layout
+    return fingerprint
 
 
 def _loaders(cfg, shard_paths, pairs: tuple[list, list], hidden: int, n_aux: int, dtype, storage):
@@ -330,7 +349,9 @@ def train(
     pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
     rank = setup_distributed()
-    fingerprint = _fingerprint(cfg, manifests, vocab_map, runtime)
+    trainer_class = trainer_class or StreamingTrainer
+    layout = muon_layout(cfg, trainer_class)
+    fingerprint = _fingerprint(cfg, manifests, vocab_map, runtime, layout)
     resumed = fingerprinted_dir(state_dir, fingerprint) if rank == 0 else None
     if rank == 0:
         recover_state_dir(state_dir)
@@ -347,7 +368,7 @@ def train(
     t0 = time.perf_counter()
     with compile_fallbacks() as uncompiled:
         trainer = _run_trainer(
-            trainer_class or StreamingTrainer,
+            trainer_class,
             model,
             trainer_config,
             loaders,

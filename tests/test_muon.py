@@ -46,10 +46,11 @@ def test_batched_update_equals_torchs_muon_within_bf16_rounding(nesterov, adjust
 
 
 def test_a_wrong_update_is_outside_the_tolerance():
-    """The tolerance separates: torch's Muon with other settings differs by far more."""
+    """The tolerance separates: BatchedMuon with a setting changed (the lr scale, one
+    Newton-Schulz step fewer) differs from torch's Muon by far more than 1 %."""
     torchs, _ = steps(torch.optim.Muon)
-    other, _ = steps(torch.optim.Muon, adjust_lr_fn="match_rms_adamw")
-    fewer, _ = steps(torch.optim.Muon, ns_steps=4)
+    other, _ = steps(BatchedMuon, adjust_lr_fn="match_rms_adamw")
+    fewer, _ = steps(BatchedMuon, ns_steps=4)
     for changed in (other, fewer):
         worst = max(
             ((a - b).norm() / b.norm()).item()
@@ -57,6 +58,32 @@ def test_a_wrong_update_is_outside_the_tolerance():
             for a, b in zip(sa, sb, strict=True)
         )
         assert worst > 0.05
+
+
+def test_state_moves_between_batched_and_torchs_muon():
+    """A state dict saved by BatchedMuon loads into torch's Muon over the same matrices (and
+    back): the run continues as if uninterrupted, within the same tolerance."""
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(4)]
+
+    def run(classes):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        saved = None
+        for k, cls in enumerate(classes):
+            opt = cls(params, lr=0.02, weight_decay=0.1)
+            if saved is not None:
+                opt.load_state_dict(saved)
+            for p, g in zip(params, grads[k], strict=True):
+                p.grad = g
+            opt.step()
+            saved = opt.state_dict()
+        return params
+
+    through = run([BatchedMuon, torch.optim.Muon, BatchedMuon, torch.optim.Muon])
+    straight = run([torch.optim.Muon] * 4)
+    for a, b in zip(through, straight, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 0.01
 
 
 class MatmulCount(TorchDispatchMode):
@@ -101,8 +128,10 @@ def test_gpu_optimizers_batch_small_matrices_and_keep_torchs_settings():
     out = muon.gpu_optimizers([torch_muon, adamw])
     assert [type(o) for o in out] == [BatchedMuon, torch.optim.AdamW] and out[1] is adamw
     assert out[0].state_dict() == torch_muon.state_dict()  # same groups, names and settings
+    before = model[0].weight.detach().clone()
     model[0].weight.grad = torch.randn(8, 8)
     out[0].step()
+    assert not torch.equal(model[0].weight, before)  # it optimises speculators' parameters
     with pytest.raises(ValueError, match="before its first step"):
         muon.gpu_optimizers([_stepped_muon()])
 
@@ -123,7 +152,7 @@ def test_gpu_optimizers_leave_large_matrices_to_torchs_muon(monkeypatch):
     torch_muon, adamw = built(model)
     monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)
     assert muon.gpu_optimizers([torch_muon, adamw])[0] is torch_muon
-    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 32)  # the 8 x 4 weight: small
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 32)  # the 8 x 4 weight, 32: small
     small, large, rest = muon.gpu_optimizers([torch_muon, adamw])
     assert type(small) is BatchedMuon and type(large) is torch.optim.Muon and rest is adamw
     assert small.param_groups[0]["param_names"] == ["2.weight"]
@@ -150,3 +179,39 @@ def test_the_patch_swaps_speculators_muon_while_applied():
     outside = trainer.build_optimizers(model, Config())
     assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"]
     assert [type(o).__name__ for o in outside] == ["Muon", "AdamW"]
+
+
+def test_an_8b_shaped_draft_of_any_depth_keeps_torchs_muon():
+    """The bound lies between a SmolLM2-shaped draft's largest matrix (576 x 1728) and an
+    8B-shaped one's smallest (k and v after the first layer: 1024 x 4096)."""
+    assert 576 * 1728 <= muon.BATCH_MAX_ELEMENTS < 1024 * 4096
+
+
+def test_the_muon_layout_enters_the_resume_fingerprint(monkeypatch):
+    """A state folder saved with speculators' Muon is not resumed by a run that splits it (nor
+    the reverse): the fingerprints differ, so the run starts afresh instead of failing to load
+    the other layout. On a CPU, or with AdamW, the fingerprint is as before."""
+    from types import SimpleNamespace
+
+    from eagle3lib import train
+    from eagle3lib.streaming_trainer import StreamingTrainer
+
+    cfg = SimpleNamespace(optimizer="muon")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.muon_layout(cfg, StreamingTrainer) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train.muon_layout(cfg, StreamingTrainer) == "batched up to 2097152 elements"
+    assert train.muon_layout(SimpleNamespace(optimizer="adamw"), StreamingTrainer) is None
+    from speculators.train.trainer import Trainer
+
+    assert train.muon_layout(cfg, Trainer) is None  # speculators' own trainer: as built
+    parts = (
+        SimpleNamespace(optimizer="muon", packing="multipack", lr=0.01),
+        [{"file": {"sha256": "ab"}}],
+        {"d2t": torch.tensor([0, 1])},
+        {"attention": "flex", "loss": "eager"},
+    )
+    plain = train._fingerprint(*parts)
+    split = train._fingerprint(*parts, "batched up to 2097152 elements")
+    assert plain["runtime"] == {"attention": "flex", "loss": "eager"}  # as before the split
+    assert split["runtime"]["muon"] == "batched up to 2097152 elements" and split != plain
