@@ -453,6 +453,15 @@ class SyncSites:
         return "\n".join(f"{n / max(self.steps, 1):5.1f}/step  {k}" for k, n in per_step)
 
 
+def check_window(batches: int, steps: int, samples: int) -> None:
+    """The timed window ends at step ``steps``, inside the one epoch a variant trains."""
+    if batches < steps:
+        raise SystemExit(
+            f"bench/train.py: --steps {steps} is past the end of the epoch, which has "
+            f"{batches} batches of --samples {samples}; raise --samples or lower --steps"
+        )
+
+
 def real_tokens_per_batch(loader, epoch: int, total_seq_len: int) -> list[int]:
     """Real tokens of each batch as CollateFn/shift_batch pack them."""
     from eagle3lib.batches import real_tokens
@@ -501,6 +510,7 @@ def run_variant(
                     self.train_loader, 0, args.total_seq_len
                 )
                 tokens_box["layers"] = len(getattr(self.model, "module", self.model).layers)
+                check_window(len(tokens_box["per_batch"]), args.steps, args.samples)
                 clock.trainer = self
                 self.train_epoch = functools.partial(super().train_epoch, step_callback=clock)
 

@@ -53,6 +53,20 @@ def test_train_smoke(tmp_path):
     assert "train.cpu.batched_muon.max_relative_difference = " in out
 
 
+def test_train_refuses_a_timed_window_past_the_epoch(tmp_path):
+    """A window that never closes used to end in a TypeError after training; now the run stops
+    when the trainer is built, naming the flags, and writes no summary."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "train.py"), "--smoke", "--variants", "ours",
+         "--steps", "5000", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "--steps 5000 is past the end of the epoch" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "bench_train.json").exists()
+
+
 def test_forward_speed_smoke():
     out = smoke("forward_speed.py")
     assert "forward.cpu.layer.tokens_per_s = " in out

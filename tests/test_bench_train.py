@@ -93,3 +93,12 @@ def test_a_verifier_of_another_shape_is_not_reused(bench, tmp_path):
     other = dict(small, vocab_size=small["vocab_size"] * 2)
     bench.make_verifier(path, other)
     assert json.loads((path / "config.json").read_text())["vocab_size"] == other["vocab_size"]
+
+
+def test_a_timed_window_past_the_epoch_is_refused_naming_both_flags(bench):
+    bench.check_window(batches=120, steps=120, samples=1000)  # ends on the epoch's last step
+    with pytest.raises(SystemExit) as refused:
+        bench.check_window(batches=119, steps=120, samples=1000)
+    message = str(refused.value)
+    assert "--steps 120" in message and "119 batches" in message
+    assert "--samples 1000" in message and "raise --samples or lower --steps" in message
