@@ -20,6 +20,9 @@ model are used by both. Variants (``VARIANTS``):
     ours_nobcast          ours whose DDP does not re-send the draft's buffers every step
     ours_muon_torch       ours_muon with torch's Muon one matrix at a time (as speculators builds
                           it), not batched by shape (eagle3lib.muon.BatchedMuon)
+    ours_muon_1loader     ours_muon with one thread building batches (train.loader_threads: 1)
+    ours_muon_workers     ours_muon with speculators' loader, --workers processes (no batch
+                          building in the training process: none of its GIL)
     ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
                           torch.compile (on an H200 no faster at SmolLM2's shape: BENCHMARKS.md)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
@@ -158,6 +161,12 @@ VARIANTS = {
     "ours_muon_torch": Variant(
         optimizer="muon", log_every=TrainConfig.log_every, batched_muon=False
     ),
+    # the loader of the default recipe: one thread, or worker processes, against 4 threads
+    # (a host-bound step shares the GIL with the threads building its batches)
+    "ours_muon_1loader": Variant(
+        optimizer="muon", log_every=TrainConfig.log_every, loader_threads=1
+    ),
+    "ours_muon_workers": Variant(optimizer="muon", log_every=TrainConfig.log_every, workers=None),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
@@ -695,6 +704,8 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         comparison("speedup_vs_speculators", "ours", best)
     comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
     comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
+    comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
+    comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
     contended = median_of(results, "ours" + CONTEND)
     if contended is not None:
         waits = [r["data_wait_fraction"] for r in results if r["name"] == "ours" + CONTEND]

@@ -51,6 +51,24 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
     assert "train.h200.batched_muon.speedup_vs_torch_muon = 1.000" in lines
 
 
+def test_summary_compares_the_default_recipes_loaders_with_its_4_threads(bench):
+    results = []
+    for k in range(2):
+        results += [
+            run("ours_muon", [30000, 32000][k]),
+            run("ours_muon_1loader", [33000, 32000][k]),
+            run("ours_muon_workers", [27000, 35200][k]),
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    assert summary["muon.loader_1thread_vs_4threads"]["pairs"] == [1.1, 1.0]
+    assert summary["muon.loader_workers_vs_threads"]["pairs"] == [0.9, 1.1]
+    assert "train.h200.muon.loader_workers_vs_threads = 0.900" in lines
+    assert "train.h200.muon.loader_workers_vs_threads.median = 1.000" in lines
+    assert bench.VARIANTS["ours_muon_1loader"].loader_threads == 1
+    assert bench.VARIANTS["ours_muon_workers"].workers is None  # --workers
+    assert bench.VARIANTS["ours_muon_workers"].optimizer == "muon"
+
+
 def test_contend_modifier_names_a_known_variant(bench):
     assert bench.variant("ours+contend") == bench.VARIANTS["ours"]
     assert bench.variant("speculators_cli").optimizer == "muon"

@@ -71,27 +71,57 @@ def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
     assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
 
 
+SIXTY_K = (
+    "configs/overlays/regen-all.yaml",
+    "configs/overlays/synthetic-steered.yaml",
+    "bench/conversations/smollm2-gpu-synthetic-more/build.yaml",
+)
+
+
+def merged_valid_preset(*paths: str) -> dict:
+    """configs/smollm2-gpu.yaml with the files given after it, as snakemake merges them
+    (update_config, mapping by mapping); the result must validate."""
+    from snakemake.utils import update_config
+
+    from eagle3lib.config import config_errors
+
+    config = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
+    for path in paths:
+        update_config(config, yaml.safe_load((ROOT / path).read_text()))
+    assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
+    return config
+
+
 def test_the_60k_build_file_sets_its_own_gate_over_the_overlays():
     """bench/conversations/smollm2-gpu-synthetic-more/build.yaml, given after regen-all.yaml
     and synthetic-steered.yaml, gates on its own first build, not on the steered one's."""
-    from snakemake.utils import update_config
+    from eagle3lib.config import acceptance_gate
 
-    from eagle3lib.config import acceptance_gate, config_errors
-
-    config = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
-    for path in (
-        "configs/overlays/regen-all.yaml",
-        "configs/overlays/synthetic-steered.yaml",
-        "bench/conversations/smollm2-gpu-synthetic-more/build.yaml",
-    ):
-        update_config(config, yaml.safe_load((ROOT / path).read_text()))
-    assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
+    config = merged_valid_preset(*SIXTY_K)
     assert config["run"] == "smollm2-gpu-synthetic-more"
     assert config["train"]["num_layers"] == 2
     assert acceptance_gate(config["validate"]["min_acceptance_length"]) == {
         "mtbench": {"3": 2.651, "5": 3.188},
         "humaneval": {"3": 3.017, "5": 3.849},
         "ifbench": {"3": 2.911, "5": 3.642},
+    }
+
+
+def test_the_three_layer_file_sets_its_recipe_and_gate_after_the_60k_build_file():
+    """layers3.yaml, given after build.yaml, trains #19's three-layer, four-epoch draft and
+    gates on the lower of its two seeds' figures minus 0.1 (BENCHMARKS.md)."""
+    from eagle3lib.config import acceptance_gate
+
+    config = merged_valid_preset(
+        *SIXTY_K, "bench/conversations/smollm2-gpu-synthetic-more/layers3.yaml"
+    )
+    assert config["run"] == "smollm2-gpu-synthetic-more"
+    assert (config["train"]["num_layers"], config["train"]["epochs"]) == (3, 4)
+    assert "seed" not in config["train"]  # the schema's 42; a further seed is given after it
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == {
+        "mtbench": {"3": 2.694, "5": 3.239},
+        "humaneval": {"3": 3.013, "5": 3.873},
+        "ifbench": {"3": 2.928, "5": 3.686},
     }
 
 
