@@ -21,8 +21,8 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon_torch       ours_muon with torch's Muon one matrix at a time (as speculators builds
                           it), not batched by shape (eagle3lib.muon.BatchedMuon)
     ours_muon_1loader     ours_muon with one thread building batches (train.loader_threads: 1)
-    ours_muon_workers     ours_muon with speculators' loader, --workers processes (no batch
-                          building in the training process: none of its GIL)
+    ours_muon_workers     ours_muon with speculators' loader, --workers processes (batches
+                          built outside the training process; a thread of it pins them)
     ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
                           torch.compile (on an H200 no faster at SmolLM2's shape: BENCHMARKS.md)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
