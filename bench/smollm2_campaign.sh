@@ -16,7 +16,9 @@
 # On the device machine, after bench/gpu_setup.sh install and install-data (BENCHMARKS.md):
 #   bench/smollm2_campaign.sh start     # returns at once; the build runs in its own session
 #   bench/smollm2_campaign.sh wait 540  # up to 540 s for it to end; then copies the small
-#                                       # outputs (reports, logs, benchmarks, checks) to $OUT
+#                                       # outputs (reports, logs, benchmarks, checks) to $OUT,
+#                                       # and once it has ended the checkpoint's parts 0-3
+#   bench/smollm2_campaign.sh checkpoint-back 1  # the checkpoint's other parts
 # Outputs go to $CAMPAIGN (default /tmp/campaign), never into the repository copy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +90,24 @@ bring_back() { # FILE NAME: FILE once, gzip in parts that a call can bring back,
     (cd "$C" && sha256sum "$2.jsonl.gz" >"$2.sha256") && cp "$C/$2.sha256" "$OUT/"
     ls -l "$OUT/$2".*
   fi
+}
+
+# I: parts 4I to 4I+3 of the checkpoint archive (packed once; its sha256 is written last, so a
+# call cut short packs again) to $OUT
+checkpoint_parts() {
+  if [ ! -e "$C/checkpoint.sha256" ]; then
+    rm -f "$C"/checkpoint.tar.gz.part-*
+    tar -cf - "$R/checkpoint" "$R/reports/acceptance.json" "$R/reports/summary.json" |
+      gzip -1 -n >"$C/checkpoint.tar.gz"
+    split -b 15M -d -a 2 "$C/checkpoint.tar.gz" "$C/checkpoint.tar.gz.part-"
+    (cd "$C" && sha256sum checkpoint.tar.gz >checkpoint.sha256)
+  fi
+  for n in $(seq $((4 * $1)) $((4 * $1 + 3))); do
+    part=$(printf '%s/checkpoint.tar.gz.part-%02d' "$C" "$n")
+    if test -e "$part"; then cp "$part" "${OUT:?}/"; fi
+  done
+  cp "$C/checkpoint.sha256" "$OUT/"
+  ls -l "$C"/checkpoint.tar.gz* "$OUT"
 }
 
 until_exists() { # PATH: wait until it exists (true) or the build has ended without it (false)
@@ -304,7 +324,7 @@ wait)
     test -e "$P/$f" && small+=("$P/$f")
   done
   tar -czf "${OUT:?}/campaign.tgz" --exclude "*.safetensors" --exclude "bench-train/*/*" \
-    --exclude "*.jsonl.gz" \
+    --exclude "*.jsonl.gz" --exclude "checkpoint.tar.gz*" \
     "$C" "${small[@]}" 2>/dev/null || true
   ls -l "$OUT/campaign.tgz"
   # the regenerated conversations, once (gzip, in parts a call can bring back): a build that
@@ -317,27 +337,24 @@ wait)
   # training's latest pace and time left (snakemake's log has only its first line)
   tail -c 20000 "$R/logs/train.log" 2>/dev/null | grep -a "^train: " | tail -1 || true
   df -h . | tail -1
+  # a build that has ended sends its checkpoint's first four parts with this call where they fit
+  # beside its files (a call brings back 8 files, 64 MiB): one call fewer, and a machine lost
+  # before the next call still leaves them here; checkpoint-back 1 brings the rest
+  if [ -e "$C/done" ] && [ -e "$R/checkpoint/model.safetensors" ] &&
+    [ "$(find "$OUT" -type f | wc -l)" -le 3 ] && [ "$(du -sb "$OUT" | cut -f1)" -le $((3 << 20)) ]; then
+    checkpoint_parts 0 >/dev/null
+    echo "checkpoint parts 0-3 came back with this call; the rest: checkpoint-back 1"
+  fi
   ;;
 checkpoint-back) # I: the build's checkpoint and offline acceptance (acceptance.json), gzip'd
   # tar in parts of 15 MiB, parts 4I to 4I+3 to $OUT (a call brings back 64 MiB) with the whole
-  # archive's sha256; bench/serve_gpu_draft.py serves it with vLLM on a CPU
+  # archive's sha256; bench/serve_gpu_draft.py serves it with vLLM on a CPU. A wait call that
+  # finds the build ended has already brought back parts 0-3 where they fit beside its files.
   test -e "$R/checkpoint/model.safetensors" || {
     echo "error: $R/checkpoint/model.safetensors is missing: no finished build to bring back" >&2
     exit 1
   }
-  if [ ! -e "$C/checkpoint.sha256" ]; then # (written last: a cut-short call packs again)
-    rm -f "$C"/checkpoint.tar.gz.part-*
-    tar -cf - "$R/checkpoint" "$R/reports/acceptance.json" "$R/reports/summary.json" |
-      gzip -1 -n >"$C/checkpoint.tar.gz"
-    split -b 15M -d -a 2 "$C/checkpoint.tar.gz" "$C/checkpoint.tar.gz.part-"
-    (cd "$C" && sha256sum checkpoint.tar.gz >checkpoint.sha256)
-  fi
-  for n in $(seq $((4 * ${2:-0})) $((4 * ${2:-0} + 3))); do
-    part=$(printf '%s/checkpoint.tar.gz.part-%02d' "$C" "$n")
-    if test -e "$part"; then cp "$part" "${OUT:?}/"; fi
-  done
-  cp "$C/checkpoint.sha256" "$OUT/"
-  ls -l "$C"/checkpoint.tar.gz* "$OUT"
+  checkpoint_parts "${2:-0}"
   ;;
 *)
   echo "usage: $0 start | start-parity SEED | start-synthetic PROMPTS | start-prompts PROMPTS | start-regenerate | wait [SECONDS] | unpack-regenerated [DIR] | merge BASE SYNTHETIC OUT [TAG] | without-synthetic IN OUT | checkpoint-back [I]" >&2

@@ -1,4 +1,4 @@
-"""A GPU build's checkpoint brought back in parts (bench/smollm2_campaign.sh checkpoint-back)
+"""A GPU build's checkpoint brought back in parts (bench/smollm2_campaign.sh wait, checkpoint-back)
 and unpacked for vLLM on the CPU (bench/serve_gpu_draft.py): the bytes arrive unchanged, and a
 missing or damaged part is refused by name."""
 
@@ -79,6 +79,61 @@ def test_the_parts_of_two_calls_unpack_to_the_same_bytes(build, serve_gpu_draft,
         "reports/acceptance.json",
     ):
         assert (run / name).read_bytes() == (build / "results/r" / name).read_bytes()
+
+
+def campaign(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    out.mkdir()
+    env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": "r"}
+    return subprocess.run(
+        ["bash", str(tree / "bench/smollm2_campaign.sh"), *args],
+        env=env, capture_output=True, text=True, cwd=tree,
+    )  # fmt: skip
+
+
+def test_wait_on_an_ended_build_brings_the_first_parts_and_checkpoint_back_1_the_rest(
+    build, serve_gpu_draft, tmp_path
+):
+    """The wait call that finds the build ended sends parts 0-3 beside campaign.tgz (within
+    a call's 8 files and 64 MiB); checkpoint-back 1 then completes the set. campaign.tgz never
+    packs the checkpoint archive, on the first wait or a later one."""
+    (build / "campaign/status").write_text("12:00:00 build: exit 0\n")
+    (build / "campaign/done").touch()
+    try:
+        for call in ("first", "again"):
+            proc = campaign(build, tmp_path / call, "wait", "0")
+            assert proc.returncode == 0, proc.stderr
+            assert "the rest: checkpoint-back 1" in proc.stdout
+            files = sorted(p.name for p in (tmp_path / call).iterdir())
+            assert files == [
+                "campaign.tgz",
+                "checkpoint.sha256",
+                *(f"checkpoint.tar.gz.part-0{n}" for n in range(4)),
+            ]
+            assert sum(p.stat().st_size for p in (tmp_path / call).iterdir()) <= 64 << 20
+            assert (tmp_path / call / "campaign.tgz").stat().st_size < 1 << 20
+    finally:
+        (build / "campaign/done").unlink()
+        (build / "campaign/status").unlink()
+    rest = campaign(build, tmp_path / "rest", "checkpoint-back", "1")
+    assert rest.returncode == 0, rest.stderr
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for p in [*(tmp_path / "first").glob("checkpoint*"), *(tmp_path / "rest").iterdir()]:
+        shutil.copy(p, parts)
+    run = serve_gpu_draft.unpack(parts, tmp_path / "unpacked")
+    model = "checkpoint/model.safetensors"
+    assert (run / model).read_bytes() == (build / "results/r" / model).read_bytes()
+
+
+def test_wait_on_a_running_build_brings_no_checkpoint(build, tmp_path):
+    (build / "campaign/status").write_text("12:00:00 build: start\n")
+    try:
+        proc = campaign(build, tmp_path / "out", "wait", "0")
+    finally:
+        (build / "campaign/status").unlink()
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint-back" not in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.tgz"]
 
 
 def brought_back(build, to: Path) -> Path:
