@@ -24,17 +24,21 @@ def serve_gpu_draft():
     return module
 
 
-def checkpoint_back(tree: Path, part_set: int) -> Path:
-    """The campaign script's checkpoint-back, run in a copy of bench/ beside a fake build (it
-    works relative to its own folder's parent, as on the device machine)."""
-    out = tree / f"out-{part_set}"
+def campaign(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """The campaign script, run in a copy of bench/ beside a fake build (it works relative to
+    its own folder's parent, as on the device machine), with $OUT a fresh folder."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": "r"}
-    proc = subprocess.run(
-        ["bash", str(tree / "bench/smollm2_campaign.sh"), "checkpoint-back", str(part_set)],
+    return subprocess.run(
+        ["bash", str(tree / "bench/smollm2_campaign.sh"), *args],
         env=env, capture_output=True, text=True,
     )  # fmt: skip
+
+
+def checkpoint_back(tree: Path, part_set: int) -> Path:
+    out = tree / f"out-{part_set}"
+    proc = campaign(tree, out, "checkpoint-back", str(part_set))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -79,15 +83,6 @@ def test_the_parts_of_two_calls_unpack_to_the_same_bytes(build, serve_gpu_draft,
         "reports/acceptance.json",
     ):
         assert (run / name).read_bytes() == (build / "results/r" / name).read_bytes()
-
-
-def campaign(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    out.mkdir()
-    env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": "r"}
-    return subprocess.run(
-        ["bash", str(tree / "bench/smollm2_campaign.sh"), *args],
-        env=env, capture_output=True, text=True, cwd=tree,
-    )  # fmt: skip
 
 
 def test_wait_on_an_ended_build_brings_the_first_parts_and_checkpoint_back_1_the_rest(
