@@ -11,7 +11,8 @@ The runs themselves are plain workflow runs (one per GPU when there are two):
         --cores 16 --resources gpu=1
 
 ``table`` reads results/<run>/reports/{summary,acceptance}.json of both and prints acceptance
-per eval set and k, time and disk per stage, and ``quality.smollm2.*`` key = value lines.
+per eval set and k, time and disk per stage, and ``quality.smollm2_preset.*`` key = value lines
+(BENCHMARKS.md's keys for the shipped preset; ``quality.smollm2.*`` itself holds the best build).
 
     python bench/quality_smollm2.py fp8-parity --parallel 2    # bf16 vs fp8 shards
 
@@ -239,12 +240,12 @@ def table(results: Path, out: Path | None) -> str:
                 f"| {run} | {r['eval_set']} | {r['k']} | {r['acceptance_length']:.3f} | {per_pos} "
                 f"| {r['prompts']} | {r['steps']} |"
             )
-            key = f"quality.smollm2.{r['eval_set']}.k{r['k']}"
+            key = f"quality.smollm2_preset.{r['eval_set']}.k{r['k']}"
             keys.append(f"{key}.acceptance_length{suffix} = {r['acceptance_length']:.4f}")
             keys.append(f"{key}.per_position_acceptance{suffix} = {per_pos}")
         if "argmax_agreement" in acceptance:
             keys.append(
-                f"quality.smollm2.argmax_agreement{suffix} = {acceptance['argmax_agreement']:.5f}"
+                f"quality.smollm2_preset.argmax_agreement{suffix} = {acceptance['argmax_agreement']:.5f}"
             )
         summary_path = reports / "summary.json"
         if summary_path.exists():

@@ -123,3 +123,58 @@ def test_quality_parity_reads_a_verifier_record_relative_to_its_folder(tmp_path)
     elsewhere.mkdir()
     run = qp.load_run(run_dir, config, elsewhere)
     assert Path(run["record"]["load_path"]) == run_dir / "verifier" / "hf"
+
+
+def test_quality_table_prints_the_presets_keys_from_a_runs_reports(tmp_path):
+    """`quality_smollm2.py table` reads a finished run's reports and prints the preset's keys
+    (`quality.smollm2_preset.*`: BENCHMARKS.md's `quality.smollm2.*` hold the best build, not the
+    preset); a run that has not finished is listed as such."""
+    import json
+
+    reports = tmp_path / "smollm2-gpu" / "reports"
+    reports.mkdir(parents=True)
+    result = {
+        "eval_set": "mtbench",
+        "k": 3,
+        "acceptance_length": 2.51964,
+        "per_position_acceptance": [0.676, 0.482, 0.361],
+        "prompts": 80,
+        "steps": 6911,
+    }
+    (reports / "acceptance.json").write_text(
+        json.dumps({"results": [result], "argmax_agreement": 1.0})
+    )
+    (reports / "summary.json").write_text(
+        json.dumps(
+            {
+                "seconds_per_job": {"train": 436.5},
+                "disk_bytes": {"hidden_states": 29.2e9},
+                "data": {"samples": 9889},
+                "hidden_states": {"tokens": 6337793},
+                "regenerated": None,
+            }
+        )
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench/quality_smollm2.py"),
+            "table",
+            "--results",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "quality.smollm2_preset.mtbench.k3.acceptance_length = 2.5196" in lines
+    assert (
+        "quality.smollm2_preset.mtbench.k3.per_position_acceptance = 0.676, 0.482, 0.361" in lines
+    )
+    assert "quality.smollm2_preset.argmax_agreement = 1.00000" in lines
+    assert not [line for line in lines if line.startswith("quality.smollm2.")]
+    assert "| smollm2-gpu-no-regen | (not run) | | | | | |" in lines
+    assert "| hidden_states | 29,200.0 |" in lines
