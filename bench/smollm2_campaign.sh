@@ -92,14 +92,15 @@ bring_back() { # FILE NAME: FILE once, gzip in parts that a call can bring back,
   fi
 }
 
-# I: parts 4I to 4I+3 of the checkpoint archive (packed once; its sha256 is written last, so a
-# call cut short packs again) to $OUT
+# I: parts 4I to 4I+3 of the checkpoint archive (packed once per run name; its sha256 is
+# written last, so a call cut short packs again) to $OUT
 checkpoint_parts() {
-  if [ ! -e "$C/checkpoint.sha256" ]; then
-    rm -f "$C"/checkpoint.tar.gz.part-*
+  if [ ! -e "$C/checkpoint.sha256" ] || [ "$(cat "$C/checkpoint.run" 2>/dev/null)" != "$R" ]; then
+    rm -f "$C"/checkpoint.tar.gz.part-* "$C/checkpoint.sha256"
     tar -cf - "$R/checkpoint" "$R/reports/acceptance.json" "$R/reports/summary.json" |
       gzip -1 -n >"$C/checkpoint.tar.gz"
     split -b 15M -d -a 2 "$C/checkpoint.tar.gz" "$C/checkpoint.tar.gz.part-"
+    echo "$R" >"$C/checkpoint.run"
     (cd "$C" && sha256sum checkpoint.tar.gz >checkpoint.sha256)
   fi
   for n in $(seq $((4 * $1)) $((4 * $1 + 3))); do

@@ -24,12 +24,12 @@ def serve_gpu_draft():
     return module
 
 
-def campaign(tree: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+def campaign(tree: Path, out: Path, *args: str, run: str = "r") -> subprocess.CompletedProcess:
     """The campaign script, run in a copy of bench/ beside a fake build (it works relative to
     its own folder's parent, as on the device machine), with $OUT a fresh folder."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": "r"}
+    env = {**os.environ, "CAMPAIGN": str(tree / "campaign"), "OUT": str(out), "RUN_NAME": run}
     return subprocess.run(
         ["bash", str(tree / "bench/smollm2_campaign.sh"), *args],
         env=env, capture_output=True, text=True,
@@ -129,6 +129,29 @@ def test_wait_on_a_running_build_brings_no_checkpoint(build, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "checkpoint-back" not in proc.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.tgz"]
+
+
+def test_checkpoint_back_of_a_second_run_packs_that_runs_checkpoint(serve_gpu_draft, tmp_path):
+    """Two builds one after the other on one machine (an ablation's pair): checkpoint-back
+    under the second run name brings the second run's checkpoint, not the archive the first
+    one left in the campaign folder."""
+    tree = tmp_path / "device"
+    (tree / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "bench/smollm2_campaign.sh", tree / "bench")
+    (tree / "campaign").mkdir()
+    for run in ("r", "r2"):
+        (tree / "results" / run / "checkpoint").mkdir(parents=True)
+        (tree / "results" / run / "reports").mkdir()
+        (tree / "results" / run / "checkpoint/model.safetensors").write_bytes(os.urandom(4096))
+        for name in ("acceptance.json", "summary.json"):
+            (tree / "results" / run / "reports" / name).write_text("{}")
+    for run in ("r", "r2"):
+        proc = campaign(tree, tmp_path / f"out-{run}", "checkpoint-back", "0", run=run)
+        assert proc.returncode == 0, proc.stderr
+        unpacked = serve_gpu_draft.unpack(tmp_path / f"out-{run}", tmp_path / f"unpacked-{run}")
+        assert unpacked.name == run
+        model = "checkpoint/model.safetensors"
+        assert (unpacked / model).read_bytes() == (tree / "results" / run / model).read_bytes()
 
 
 def brought_back(build, to: Path) -> Path:
