@@ -461,6 +461,8 @@ def report(result: dict, a) -> None:
     ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs
     if a.jobs_per_gpu > 1 and not a.smoke:  # (no GPU to share in a smoke run)
         ex += f".shared{a.jobs_per_gpu}"
+    if a.compile == "true":
+        ex += ".compiled"
     extract = [j for n, j in jobs.items() if n.startswith("extract-")]
     job_rate = statistics.median(j["tokens_per_s"] for j in extract)
     # --until: the wall time is to that rule, not the whole DAG
@@ -484,9 +486,14 @@ def report(result: dict, a) -> None:
             jobs["train"]["steady_tokens_per_s"] or 0
         )
     bench = result.get("bench_extract")
+    # the isolated run's rate to compare with: once compiled, where it compiled (its compiling
+    # is a fixed cost of the run, not of the rate a long job or a shared GPU sees)
+    bench_rate = bench and (bench.get("tokens_per_s_after_compiling") or bench["tokens_per_s"])
     if bench:
         lines[f"workflow.{tag}.{ex}.bench_tokens_per_s"] = bench["tokens_per_s"]
-        lines[f"workflow.{tag}.{ex}.job_vs_bench"] = round(job_rate / bench["tokens_per_s"], 3)
+        if bench.get("tokens_per_s_after_compiling"):
+            lines[f"workflow.{tag}.{ex}.bench_tokens_per_s_after_compiling"] = bench_rate
+        lines[f"workflow.{tag}.{ex}.job_vs_bench"] = round(job_rate / bench_rate, 3)
         lines[f"workflow.{tag}.{ex}.bench_roofline_fraction"] = bench["roofline_fraction"]
         lines[f"workflow.{tag}.{ex}.bench_forward_only_tokens_per_s"] = bench[
             "forward_only_tokens_per_s"
@@ -499,11 +506,11 @@ def report(result: dict, a) -> None:
         lines[f"workflow.{tag}.{ex}.aggregate_tokens_per_s"] = round(aggregate)
         if bench and a.gpus > 1:
             lines[f"workflow.{tag}.{ex}.per_gpu_efficiency_vs_bench"] = round(
-                aggregate / (a.gpus * bench["tokens_per_s"]), 3
+                aggregate / (a.gpus * bench_rate), 3
             )
         if bench:  # the stage, first lease to last release, against the isolated run
             lines[f"workflow.{tag}.{ex}.stage_vs_bench"] = round(
-                aggregate / (a.gpus * bench["tokens_per_s"]), 3
+                aggregate / (a.gpus * bench_rate), 3
             )
     print()
     for key, value in lines.items():

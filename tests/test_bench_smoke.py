@@ -178,3 +178,45 @@ def test_quality_table_prints_the_presets_keys_from_a_runs_reports(tmp_path):
     assert not [line for line in lines if line.startswith("quality.smollm2.")]
     assert "| smollm2-gpu-no-regen | (not run) | | | | | |" in lines
     assert "| hidden_states | 29,200.0 |" in lines
+
+
+def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
+    """With extract.compile the isolated run's own compiling is a fixed cost, not part of the
+    rate a shared GPU sees: the stage (first lease to last release) and each job are compared
+    with the isolated rate after compiling, under keys that say compiled and shared."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("workflow_gpu", ROOT / "bench/workflow_gpu.py")
+    workflow_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workflow_gpu)
+    job = {
+        "tokens": 1_800_000, "tokens_per_s": 24_000.0, "wall_seconds": 75.0,
+        "model_load_seconds": 6.0, "extraction_seconds": 46.0,
+        "extraction_tokens_per_s": 39_130.0, "write_seconds": 1.0, "hash_seconds": 1.0,
+        "stall_seconds": 0.0, "phases": {},
+    }  # fmt: skip
+    result = {
+        "wall_seconds": 200.0,
+        "workflow": {
+            "jobs": {"extract-0": job, "extract-1": dict(job, tokens_per_s=20_000.0)},
+            "extract_window_seconds": 100.0,
+            "extract_tokens": 3_600_000,
+        },
+        "bench_extract": {
+            "tokens_per_s": 24_000, "tokens_per_s_after_compiling": 40_000,
+            "roofline_fraction": 0.5, "forward_only_tokens_per_s": None,
+            "forward_only_masked_tokens_per_s": None,
+        },
+    }  # fmt: skip
+    a = SimpleNamespace(
+        smoke=False, gpus=1, storage="fp8", jobs_per_gpu=2, compile="true", until="extract",
+        epochs=1,
+    )  # fmt: skip
+    workflow_gpu.report(result, a)
+    lines = capsys.readouterr().out.splitlines()
+    ex = "workflow.h200.extract.fp8.shared2.compiled"
+    assert f"{ex}.aggregate_tokens_per_s = 36000" in lines
+    assert f"{ex}.stage_vs_bench = 0.9" in lines
+    assert f"{ex}.bench_tokens_per_s_after_compiling = 40000" in lines
+    assert f"{ex}.job_vs_bench = 0.55" in lines  # the median job, 22,000 tokens/s
