@@ -62,23 +62,6 @@ def test_every_overlay_is_checked():
     )
 
 
-@pytest.mark.parametrize("overlay", sorted(OVERLAY_GATES))
-def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
-    """Config files merge mapping by mapping (snakemake's update_config), so an overlay's
-    validate.min_acceptance_length changes the preset's entries, or removes the gate (null)."""
-    from snakemake.utils import update_config
-
-    from eagle3lib.config import acceptance_gate, config_errors
-
-    config = yaml.safe_load((ROOT / "configs" / "smollm2-gpu.yaml").read_text())
-    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == PRESET_GATE
-    update_config(
-        config, yaml.safe_load((ROOT / "configs/overlays" / f"{overlay}.yaml").read_text())
-    )
-    assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
-    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
-
-
 SIXTY_K = (
     "configs/overlays/regen-all.yaml",
     "configs/overlays/synthetic-steered.yaml",
@@ -98,6 +81,18 @@ def merged_valid_preset(*paths: str) -> dict:
         update_config(config, yaml.safe_load((ROOT / path).read_text()))
     assert config_errors(config, ROOT / "rules" / "schemas" / "config.schema.yaml") == []
     return config
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_GATES))
+def test_smollm2_overlays_validate_and_set_their_acceptance_gate(overlay):
+    """Config files merge mapping by mapping (snakemake's update_config), so an overlay's
+    validate.min_acceptance_length changes the preset's entries, or removes the gate (null)."""
+    from eagle3lib.config import acceptance_gate
+
+    preset = merged_valid_preset()
+    assert acceptance_gate(preset["validate"]["min_acceptance_length"]) == PRESET_GATE
+    config = merged_valid_preset(f"configs/overlays/{overlay}.yaml")
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == OVERLAY_GATES[overlay]
 
 
 def test_the_60k_build_file_sets_its_own_gate_over_the_overlays():
