@@ -248,6 +248,18 @@ def extract_window(extract: list[dict]) -> float | None:
     return None
 
 
+def turns_window(extract: list[dict]) -> tuple[float, float] | None:
+    """Jobs sharing a GPU (extract.jobs_per_gpu > 1): seconds from the first extract job's GPU
+    lease to the first GPU turn (the stage's exposed fixed cost: start-up, load, compiling),
+    and from that turn to the last turn's end (the stage once the GPU is in use; the other
+    jobs' fixed costs fall in it only where the GPU waited for them)."""
+    spans = [j.get("turn_span") for j in extract]
+    if not extract or not all(spans) or not all(j["start"] for j in extract):
+        return None
+    first = min(s[0] for s in spans)
+    return first - min(j["start"] for j in extract), max(s[1] for s in spans) - first
+
+
 def collect(run_dir: Path) -> dict:
     """Per-job figures from the benchmark files, job logs, GPU records and summaries."""
     seconds = benchmark_seconds(run_dir)
@@ -272,6 +284,7 @@ def collect(run_dir: Path) -> dict:
                 compile_seconds=stats.get("compile_seconds"),
                 phases=stats.get("phases"),
                 turn_wait_seconds=stats.get("turn_wait_seconds"),
+                turn_span=stats.get("turn_span"),
                 start=gpu["before"].get("time"),
                 end=gpu["after"].get("time"),
                 devices=gpu["devices"],
@@ -281,6 +294,7 @@ def collect(run_dir: Path) -> dict:
         "jobs": jobs,
         "extract_tokens": sum(j["tokens"] for j in extract),
         "extract_window_seconds": extract_window(extract),
+        "extract_turns": turns_window(extract),
     }
     if not (run_dir / "train" / "summary.json").exists():  # --until extract
         return figures
@@ -511,6 +525,14 @@ def report(result: dict, a) -> None:
         if bench:  # the stage, first lease to last release, against the isolated run
             lines[f"workflow.{tag}.{ex}.stage_vs_bench"] = round(
                 aggregate / (a.gpus * bench_rate), 3
+            )
+    if wf.get("extract_turns") and a.gpus == 1:  # (on several GPUs the turns interleave)
+        before, turns = wf["extract_turns"]
+        lines[f"workflow.{tag}.{ex}.first_turn_seconds"] = round(before, 1)
+        lines[f"workflow.{tag}.{ex}.gpu_turns_tokens_per_s"] = round(wf["extract_tokens"] / turns)
+        if bench:
+            lines[f"workflow.{tag}.{ex}.gpu_turns_vs_bench"] = round(
+                wf["extract_tokens"] / turns / bench_rate, 3
             )
     print()
     for key, value in lines.items():

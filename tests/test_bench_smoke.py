@@ -180,31 +180,32 @@ def test_quality_table_prints_the_presets_keys_from_a_runs_reports(tmp_path):
     assert "| hidden_states | 29,200.0 |" in lines
 
 
-def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
-    """With extract.compile the isolated run's own compiling is a fixed cost, not part of the
-    rate a shared GPU sees: the stage (first lease to last release) and each job are compared
-    with the isolated rate after compiling, under keys that say compiled and shared."""
+def workflow_gpu_module():
     import importlib.util
-    from types import SimpleNamespace
 
     spec = importlib.util.spec_from_file_location("workflow_gpu", ROOT / "bench/workflow_gpu.py")
-    workflow_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(workflow_gpu)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shared_fp8_report(capsys, workflow: dict, bench_rate: int) -> list[str]:
+    """The key lines workflow_gpu.report prints for two compiled fp8 extract jobs sharing one
+    H200 (jobs of 1.8 M tokens, 24,000 and 20,000 tokens/s), given the stage's figures."""
+    from types import SimpleNamespace
+
     job = {
         "tokens": 1_800_000, "tokens_per_s": 24_000.0, "wall_seconds": 75.0,
         "model_load_seconds": 6.0, "extraction_seconds": 46.0,
         "extraction_tokens_per_s": 39_130.0, "write_seconds": 1.0, "hash_seconds": 1.0,
         "stall_seconds": 0.0, "phases": {},
     }  # fmt: skip
+    jobs = {"extract-0": job, "extract-1": dict(job, tokens_per_s=20_000.0)}
     result = {
         "wall_seconds": 200.0,
-        "workflow": {
-            "jobs": {"extract-0": job, "extract-1": dict(job, tokens_per_s=20_000.0)},
-            "extract_window_seconds": 100.0,
-            "extract_tokens": 3_600_000,
-        },
+        "workflow": {"jobs": jobs, "extract_tokens": 3_600_000, **workflow},
         "bench_extract": {
-            "tokens_per_s": 24_000, "tokens_per_s_after_compiling": 40_000,
+            "tokens_per_s": 24_000, "tokens_per_s_after_compiling": bench_rate,
             "roofline_fraction": 0.5, "forward_only_tokens_per_s": None,
             "forward_only_masked_tokens_per_s": None,
         },
@@ -213,10 +214,41 @@ def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_comp
         smoke=False, gpus=1, storage="fp8", jobs_per_gpu=2, compile="true", until="extract",
         epochs=1,
     )  # fmt: skip
-    workflow_gpu.report(result, a)
-    lines = capsys.readouterr().out.splitlines()
-    ex = "workflow.h200.extract.fp8.shared2.compiled"
+    workflow_gpu_module().report(result, a)
+    return capsys.readouterr().out.splitlines()
+
+
+SHARED_FP8 = "workflow.h200.extract.fp8.shared2.compiled"
+
+
+def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
+    """With extract.compile the isolated run's own compiling is a fixed cost, not part of the
+    rate a shared GPU sees: the stage (first lease to last release) and each job are compared
+    with the isolated rate after compiling, under keys that say compiled and shared."""
+    lines = shared_fp8_report(capsys, {"extract_window_seconds": 100.0}, bench_rate=40_000)
+    ex = SHARED_FP8
     assert f"{ex}.aggregate_tokens_per_s = 36000" in lines
     assert f"{ex}.stage_vs_bench = 0.9" in lines
     assert f"{ex}.bench_tokens_per_s_after_compiling = 40000" in lines
     assert f"{ex}.job_vs_bench = 0.55" in lines  # the median job, 22,000 tokens/s
+    assert not any(".gpu_turns" in line for line in lines)  # no turn spans: no such keys
+
+
+def test_workflow_gpu_times_the_gpu_turns_of_jobs_sharing_a_gpu(capsys):
+    """Jobs sharing a GPU: the stage splits into the time before the first GPU turn (start-up,
+    load, compiling of the first jobs) and the turns from there to the last one's end."""
+    workflow_gpu = workflow_gpu_module()
+    extract = [
+        {"start": 1000.0, "end": 1078.0, "turn_span": [1028.0, 1075.7]},
+        {"start": 1000.5, "end": 1126.0, "turn_span": [1075.5, 1123.8]},
+    ]
+    before, turns = workflow_gpu.turns_window(extract)
+    assert (round(before, 3), round(turns, 3)) == (28.0, 95.8)
+    assert workflow_gpu.turns_window([extract[0], dict(extract[1], turn_span=None)]) is None
+    stage = {"extract_window_seconds": 126.0, "extract_turns": (before, turns)}
+    lines = shared_fp8_report(capsys, stage, bench_rate=36_000)
+    ex = SHARED_FP8
+    assert f"{ex}.first_turn_seconds = 28.0" in lines
+    assert f"{ex}.gpu_turns_tokens_per_s = 37578" in lines  # 3.6 M tokens in 95.8 s
+    assert f"{ex}.gpu_turns_vs_bench = 1.044" in lines
+    assert f"{ex}.aggregate_tokens_per_s = 28571" in lines  # the whole stage, 126 s

@@ -110,22 +110,39 @@ def test_the_60k_build_file_sets_its_own_gate_over_the_overlays():
     }
 
 
-def test_the_three_layer_file_sets_its_recipe_and_gate_after_the_60k_build_file():
-    """layers3.yaml, given after build.yaml, trains #19's three-layer, four-epoch draft and
-    gates on the lower of its two seeds' figures minus 0.1 (BENCHMARKS.md)."""
+@pytest.mark.parametrize(
+    ("layers", "gate"),
+    [
+        (  # the lower of its two seeds' figures minus 0.1 (BENCHMARKS.md)
+            3,
+            {
+                "mtbench": {"3": 2.694, "5": 3.239},
+                "humaneval": {"3": 3.013, "5": 3.873},
+                "ifbench": {"3": 2.928, "5": 3.686},
+            },
+        ),
+        (  # its first build's (seed 43) figures minus 0.1
+            4,
+            {
+                "mtbench": {"3": 2.730, "5": 3.310},
+                "humaneval": {"3": 3.043, "5": 3.925},
+                "ifbench": {"3": 2.955, "5": 3.729},
+            },
+        ),
+    ],
+)
+def test_a_layers_file_sets_its_recipe_and_gate_after_the_60k_build_file(layers, gate):
+    """layers3.yaml or layers4.yaml, given after build.yaml, trains #19's three- or four-layer,
+    four-epoch draft and gates on its builds' figures."""
     from eagle3lib.config import acceptance_gate
 
     config = merged_valid_preset(
-        *SIXTY_K, "bench/conversations/smollm2-gpu-synthetic-more/layers3.yaml"
+        *SIXTY_K, f"bench/conversations/smollm2-gpu-synthetic-more/layers{layers}.yaml"
     )
     assert config["run"] == "smollm2-gpu-synthetic-more"
-    assert (config["train"]["num_layers"], config["train"]["epochs"]) == (3, 4)
+    assert (config["train"]["num_layers"], config["train"]["epochs"]) == (layers, 4)
     assert "seed" not in config["train"]  # the schema's 42; a further seed is given after it
-    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == {
-        "mtbench": {"3": 2.694, "5": 3.239},
-        "humaneval": {"3": 3.013, "5": 3.873},
-        "ifbench": {"3": 2.928, "5": 3.686},
-    }
+    assert acceptance_gate(config["validate"]["min_acceptance_length"]) == gate
 
 
 def test_planning_warns_when_extraction_and_evaluation_run_the_verifier_in_two_dtypes(tmp_path):
