@@ -4,6 +4,7 @@ print are CPU figures of tiny shapes, not benchmarks; what is asserted is that e
 and prints its keys (and, for quality_parity, that our trainer and speculators' CLI train the
 same weights)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -189,7 +190,7 @@ def workflow_gpu_module():
     return module
 
 
-def shared_fp8_report(capsys, workflow: dict, bench_rate: int) -> list[str]:
+def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) -> list[str]:
     """The key lines workflow_gpu.report prints for two compiled fp8 extract jobs sharing one
     H200 (jobs of 1.8 M tokens, 24,000 and 20,000 tokens/s), given the stage's figures."""
     from types import SimpleNamespace
@@ -211,7 +212,7 @@ def shared_fp8_report(capsys, workflow: dict, bench_rate: int) -> list[str]:
         },
     }  # fmt: skip
     a = SimpleNamespace(
-        smoke=False, gpus=1, storage="fp8", jobs_per_gpu=2, compile="true", until="extract",
+        smoke=False, gpus=gpus, storage="fp8", jobs_per_gpu=2, compile="true", until="extract",
         epochs=1,
     )  # fmt: skip
     workflow_gpu_module().report(result, a)
@@ -252,3 +253,33 @@ def test_workflow_gpu_times_the_gpu_turns_of_jobs_sharing_a_gpu(capsys):
     assert f"{ex}.gpu_turns_tokens_per_s = 37578" in lines  # 3.6 M tokens in 95.8 s
     assert f"{ex}.gpu_turns_vs_bench = 1.044" in lines
     assert f"{ex}.aggregate_tokens_per_s = 28571" in lines  # the whole stage, 126 s
+    # two GPUs: each has its own turns, so one span over all jobs means nothing; no such keys
+    lines = shared_fp8_report(capsys, stage, bench_rate=36_000, gpus=2)
+    assert "workflow.2xh200.extract.fp8.shared2.compiled.aggregate_tokens_per_s = 28571" in lines
+    assert not any("turn" in line for line in lines if line.startswith("workflow."))
+
+
+def test_workflow_gpu_reads_the_turns_from_the_jobs_stats_and_gpu_records(tmp_path):
+    """collect() takes each extract job's turn_span from the stats its log ends with and its
+    lease from its GPU record (NVML's time); a job without a lease time (no NVML) gives none."""
+    workflow_gpu = workflow_gpu_module()
+    for d in ("benchmarks", "logs", "gpu"):
+        (tmp_path / d).mkdir()
+    jobs = {"extract-0": (1000.0, [1028.0, 1075.7]), "extract-1": (1000.5, [1075.5, 1123.8])}
+    for name, (start, span) in jobs.items():
+        (tmp_path / "benchmarks" / f"{name}.tsv").write_text("s\th:m:s\n77.9\t0:01:17\n")
+        stats = {
+            "tokens": 1_900_000, "seconds": 47.7, "tokens_per_s": 39_800.0,
+            "write_seconds": 8.8, "stall_seconds": 0.3, "turn_span": span,
+        }  # fmt: skip
+        (tmp_path / "logs" / f"{name}.log").write_text(
+            "extract: ...\n" + json.dumps(stats, indent=2)
+        )
+        gpu = {"before": {"time": start}, "after": {"time": span[1] + 2}, "devices": [0]}
+        (tmp_path / "gpu" / f"{name}.json").write_text(json.dumps(gpu))
+    before, turns = workflow_gpu.collect(tmp_path)["extract_turns"]
+    assert (round(before, 3), round(turns, 3)) == (28.0, 95.8)
+    (tmp_path / "gpu" / "extract-1.json").write_text(
+        json.dumps({"before": {}, "after": {}, "devices": []})
+    )
+    assert workflow_gpu.collect(tmp_path)["extract_turns"] is None
