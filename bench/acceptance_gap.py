@@ -1,4 +1,5 @@
-"""Where a built draft loses acceptance: the two checks of BENCHMARKS.md's "acceptance gap".
+"""Where a built draft loses acceptance: the three checks of BENCHMARKS.md's "Where acceptance
+is lost".
 
 ``draft``: a finished run's draft decoded on MT-bench and on held-out prompts of its own
 training distribution (ShareGPT conversations after the ones prepare read, first user turns;
@@ -12,6 +13,9 @@ the generated positions where their argmax differs and the relative L2 differenc
 states the draft reads (aux layers + the last layer's pre-norm output), and how repetitive
 the greedy text is (the share of generated tokens closing a 4-gram of token ids already seen
 in the same continuation).
+
+``template``: what training learns from against what decoding produces: each prompt's greedy
+answer (fp32 verifier) put through regeneration's text round trip and prepare's chat template.
 
     python bench/acceptance_gap.py draft --run results/smollm2-gpu --prompts 80 --json d.json
     python bench/acceptance_gap.py dtype --run results/smollm2-gpu --prompts 80 --json t.json

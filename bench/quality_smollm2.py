@@ -12,7 +12,8 @@ The runs themselves are plain workflow runs (one per GPU when there are two):
 
 ``table`` reads results/<run>/reports/{summary,acceptance}.json of both and prints acceptance
 per eval set and k, time and disk per stage, and ``quality.smollm2_preset.*`` key = value lines
-(BENCHMARKS.md's keys for the shipped preset; ``quality.smollm2.*`` itself holds the best build).
+(BENCHMARKS.md's keys for the shipped preset; ``quality.smollm2.*`` itself holds #19's current
+two-seed build).
 
     python bench/quality_smollm2.py fp8-parity --parallel 2    # bf16 vs fp8 shards
 

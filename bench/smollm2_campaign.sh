@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The SmolLM2 preset (configs/smollm2-gpu.yaml) rebuilt on the x2 host (2 x H200), with the
-# checks that need a GPU and a finished stage run beside it on the GPU the build leaves free:
+# The SmolLM2 preset (configs/smollm2-gpu.yaml) rebuilt on a lent GPU machine (the x2 host, or
+# one H200 with GPUS=1 SIDE=0), with the checks that need a GPU and a finished stage run beside
+# it on the GPU the build leaves free:
 #
 #   - acceptance_gap dtype  (once training has started: the verifier and prepare are done)
 #   - acceptance_gap draft at k = 3 and 5 (once the checkpoint is checked), by replay: the

@@ -24,7 +24,7 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon_workers     ours_muon with speculators' loader, --workers processes (batches
                           built outside the training process; a thread of it pins them)
     ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
-                          torch.compile (on an H200 no faster at SmolLM2's shape: BENCHMARKS.md)
+                          torch.compile (on an H200 two runs left it unsettled: BENCHMARKS.md)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
                           loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
     speculators_fastest   the same with --workers workers (earlier commands)
@@ -60,9 +60,11 @@ start more slowly):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 12 --repeat 3 \
          --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
-  2. two H200s (nvidia-h200-x2), about 6 min, 17 runs: on GPU 0 packing, ours and the old
-     loader under contention (24 busy processes on its 32 cores) and same training over 50
-     steps; then DDP with and without the buffer broadcast, against that call's one-GPU ours:
+  2. two H200s (nvidia-h200-x2), about 6 min, 17 runs (not run as one call: ffd packing ran on
+     one H200, the same training on GPU 1 of the x2 host, both 2026-12-01, BENCHMARKS.md; the
+     DDP part has not run): on GPU 0 packing, ours and the old loader under contention (24 busy
+     processes on its 32 cores) and same training over 50 steps; then DDP with and without the
+     buffer broadcast, against that call's one-GPU ours:
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 24 --repeat 2 --same-training 50 \
          --variants ours,ours_ffd,ours+contend,ours_1thread+contend && \

@@ -46,7 +46,7 @@ def on_cpu() -> bool:
 
 def engine_env(cpu_kvcache_gib: int = 1) -> dict[str, str]:
     """Environment for vLLM: offline, caches inside the working directory, small CPU KV cache;
-    on CPU the engine runs inside the server process (starts in ~18 s instead of ~45 s)."""
+    on CPU the engine runs inside the server process (one process to start, not two)."""
     env = dict(os.environ)
     if on_cpu():
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
