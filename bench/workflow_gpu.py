@@ -518,22 +518,18 @@ def report(result: dict, a) -> None:
     if wf["extract_window_seconds"]:
         aggregate = wf["extract_tokens"] / wf["extract_window_seconds"]
         lines[f"workflow.{tag}.{ex}.aggregate_tokens_per_s"] = round(aggregate)
-        if bench and a.gpus > 1:
-            lines[f"workflow.{tag}.{ex}.per_gpu_efficiency_vs_bench"] = round(
-                aggregate / (a.gpus * bench_rate), 3
-            )
-        if bench:  # the stage, first lease to last release, against the isolated run
-            lines[f"workflow.{tag}.{ex}.stage_vs_bench"] = round(
-                aggregate / (a.gpus * bench_rate), 3
-            )
+        if bench:  # the stage, first lease to last release, against the isolated run per GPU
+            stage_vs_bench = round(aggregate / (a.gpus * bench_rate), 3)
+            if a.gpus > 1:
+                lines[f"workflow.{tag}.{ex}.per_gpu_efficiency_vs_bench"] = stage_vs_bench
+            lines[f"workflow.{tag}.{ex}.stage_vs_bench"] = stage_vs_bench
     if wf.get("extract_turns") and a.gpus == 1:  # (on several GPUs the turns interleave)
         before, turns = wf["extract_turns"]
+        turns_rate = wf["extract_tokens"] / turns
         lines[f"workflow.{tag}.{ex}.first_turn_seconds"] = round(before, 1)
-        lines[f"workflow.{tag}.{ex}.gpu_turns_tokens_per_s"] = round(wf["extract_tokens"] / turns)
+        lines[f"workflow.{tag}.{ex}.gpu_turns_tokens_per_s"] = round(turns_rate)
         if bench:
-            lines[f"workflow.{tag}.{ex}.gpu_turns_vs_bench"] = round(
-                wf["extract_tokens"] / turns / bench_rate, 3
-            )
+            lines[f"workflow.{tag}.{ex}.gpu_turns_vs_bench"] = round(turns_rate / bench_rate, 3)
     print()
     for key, value in lines.items():
         print(f"{key} = {value}")
