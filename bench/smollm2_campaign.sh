@@ -173,12 +173,14 @@ launch() { # MODE [ARGS]: a fresh $C, then this script's MODE in its own session
 case "${1:-}" in
 unpack-regenerated) # [DIR] what wait brought back, in DIR (default .xfer-regen/, carried; or a
   # tracked folder such as bench/conversations/, which travels with the working tree): for each
-  # NAME.sha256 there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...)
+  # NAME.sha256 there, /tmp/NAME.jsonl.gz from its parts, checked (regenerated, synthetic, ...;
+  # UNPACK_TO: another folder than /tmp)
   dir=$(cd "${2:-.xfer-regen}" && pwd)
+  to=${UNPACK_TO:-/tmp}
   for sum in "$dir"/*.sha256; do
     name=$(basename "$sum" .sha256)
-    cat "$dir/$name.jsonl.gz.part-"* >"/tmp/$name.jsonl.gz"
-    (cd /tmp && sha256sum -c "$sum")
+    cat "$dir/$name.jsonl.gz.part-"* >"$to/$name.jsonl.gz"
+    (cd "$to" && sha256sum -c "$sum")
   done
   ;;
 merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a prompts build's

@@ -145,6 +145,48 @@ def test_a_layers_file_sets_its_recipe_and_gate_after_the_60k_build_file(layers,
     assert acceptance_gate(config["validate"]["min_acceptance_length"]) == gate
 
 
+def test_the_committed_conversations_merge_into_the_60k_builds_training_file(tmp_path):
+    """The data of the 60,476-conversation builds (docs/configuration.md's commands): the
+    committed parts unpack, checked by their sha256, and the two merges give the steered build's
+    24,999 conversations (8,992 of them synthetic) and 35,477 more synthetic ones, each id once."""
+    import gzip
+    import json
+    import os
+    import subprocess
+
+    campaign = [str(ROOT / "bench/smollm2_campaign.sh")]
+    env = {**os.environ, "UNPACK_TO": str(tmp_path), "CAMPAIGN": str(tmp_path / "campaign")}
+    for folder in ("smollm2-gpu-synthetic", "smollm2-gpu-synthetic-more"):
+        proc = subprocess.run(
+            [*campaign, "unpack-regenerated", str(ROOT / "bench/conversations" / folder)],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    merged = []
+    for base, prompts, tag in (
+        ("regenerated", "smollm2-gpu-synthetic-more-prompts", "s1"),
+        ("m1", "smollm2-gpu-synthetic-more2-prompts", "s2"),
+    ):
+        out = tmp_path / f"m{len(merged) + 1}.jsonl.gz"
+        proc = subprocess.run(
+            [*campaign, "merge", str(tmp_path / f"{base}.jsonl.gz"),
+             str(tmp_path / f"{prompts}.jsonl.gz"), str(out), tag],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        merged.append(proc.stdout.strip().splitlines()[-1])
+    assert merged == [
+        "merged: 24999 conversations and 17761 synthetic ones (8 left out, their prompt already "
+        "there)",
+        "merged: 42760 conversations and 17716 synthetic ones (17 left out, their prompt already "
+        "there)",
+    ]
+    with gzip.open(tmp_path / "m2.jsonl.gz", "rt") as fh:
+        ids = [json.loads(line)["id"] for line in fh]
+    assert len(ids) == len(set(ids)) == 60476
+    assert sum(str(i).startswith("synthetic-") for i in ids) == 8992 + 17761 + 17716
+
+
 def test_planning_warns_when_extraction_and_evaluation_run_the_verifier_in_two_dtypes(tmp_path):
     """The SmolLM2 preset once extracted in bf16 (extract.dtype auto on a GPU) and evaluated
     in fp32: the draft learnt one verifier and was measured against another."""
