@@ -67,10 +67,10 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
 
-host_sample() { # every 10 s (HOST_SAMPLE_SECONDS) until the build ends, a line of $C/host.log: the clock (epoch
-  # seconds), /proc/stat's cpu line (jiffies: user nice system idle iowait irq softirq steal ...),
-  # the load, each GPU's SM clock, power and use, and training's latest progress line; read by
-  # bench/host_pace.py (does the step's pace follow the host's stolen or busy CPU time?)
+host_sample() { # every 10 s (HOST_SAMPLE_SECONDS) until the build ends, a line of $C/host.log:
+  # the clock (epoch seconds), /proc/stat's cpu line (jiffies: user nice system idle iowait irq
+  # softirq steal ...), the load, each GPU's SM clock, power and use, and training's latest
+  # progress line; read by bench/host_pace.py (does the pace follow stolen or busy CPU time?)
   while [ ! -e "$C/done" ]; do
     {
       printf '%s %s | %s | ' "$(date +%s)" "$(head -1 /proc/stat)" "$(cut -d' ' -f1-3 /proc/loadavg)"
