@@ -1,8 +1,8 @@
 """Does the train job's pace follow the host? Reads the host.log that bench/smollm2_campaign.sh
-writes during a build (every 10 s: the clock, /proc/stat's cpu line, the load, each GPU's SM
+writes during a build (every 2 s: the clock, /proc/stat's cpu line, the load, each GPU's SM
 clock, power and use, training's latest progress line) and prints, per new progress line, its
 ms a step beside the CPU time stolen by the hypervisor, the CPU busy and the GPU's SM clock
-over the same interval, then the correlation of the pace with each.
+over the span that pace covers, then the correlation of the pace with each.
 
 A SmolLM2-sized draft's step is set by the host launching its kernels (BENCHMARKS.md, "Muon
 batched by matrix shape"), and its pace drifted within builds by 40-77 ms a step with no cause
@@ -14,10 +14,12 @@ found; stolen time (other guests of the machine's host) is one candidate this sh
 import argparse
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 PACE = re.compile(r"step (\d+)/\d+ \(epoch (\d+)/\d+\).*; ([\d,.]+) ms a step since the last line")
+EPOCH = re.compile(r"\(epoch (\d+)/\d+\)")
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest time is in user)
 FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -26,47 +28,63 @@ FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 class Sample:
     clock: float
     cpu: dict[str, int]
-    sm_mhz: float | None
+    sm_mhz: tuple[float | None, ...]  # per GPU, None where nvidia-smi gave no number
     train: str
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]", or "No devices were found" (nvidia-smi writes it to stdout)
+        return None
 
 
 def parse_line(line: str) -> Sample:
     parts = [part.strip() for part in line.split(" | ", 3)]
     words = parts[0].split()
-    if len(parts) != 4 or len(words) < 2 + len(FIELDS) or words[1] != "cpu":
+    try:
+        if len(parts) != 4 or len(words) < 2 + len(FIELDS) or words[1] != "cpu":
+            raise ValueError
+        clock = float(words[0])
+        cpu = dict(zip(FIELDS, map(int, words[2 : 2 + len(FIELDS)]), strict=True))
+    except ValueError:
         raise ValueError(
             f"not a host.log line (clock and /proc/stat's cpu line | load | GPUs | progress "
             f"line): {line[:80]!r}"
-        )
-    _load, gpus, train = parts[1:]
-    cpu = dict(zip(FIELDS, map(int, words[2 : 2 + len(FIELDS)]), strict=True))
-    first_gpu = gpus.split(";")[0].strip()
-    sm_mhz = float(first_gpu.split(",")[0]) if first_gpu else None
-    return Sample(float(words[0]), cpu, sm_mhz, train)
+        ) from None
+    gpus = [g for g in parts[2].split(";") if g.strip()]
+    sm_mhz = tuple(number(g.split(",")[0].strip()) for g in gpus)
+    return Sample(clock, cpu, sm_mhz, parts[3])
 
 
-def intervals(samples: list[Sample]) -> list[dict]:
-    """One row per sample whose progress line is new: the pace it reports and the host over
-    the interval since the previous sample (the line's pace spans about that interval)."""
-    rows = []
-    for before, now in zip(samples, samples[1:], strict=False):
-        match = PACE.search(now.train)
-        if not match or now.train == before.train:
+def intervals(samples: list[Sample], gpu: int = 0) -> list[dict]:
+    """One row per progress line with a pace: that pace beside the host between the first
+    sample that showed the line before it and the first that showed it, the span the pace
+    covers (to within a sampling interval at each end). A line whose span crosses an epoch's
+    end (a validation pass) is left out."""
+    rows, before = [], None  # the first sample of the previous progress line
+    for i, now in enumerate(samples):
+        if not now.train or (i and now.train == samples[i - 1].train):
             continue
-        delta = {k: now.cpu[k] - before.cpu[k] for k in FIELDS}
-        total = sum(delta.values()) or 1
-        busy = sum(delta[k] for k in ("user", "nice", "system", "irq", "softirq"))
-        rows.append(
-            {
-                "seconds": now.clock - samples[0].clock,
-                "step": int(match[1]),
-                "epoch": int(match[2]),
-                "ms_per_step": float(match[3].replace(",", "")),
-                "steal": delta["steal"] / total,
-                "busy": busy / total,
-                "sm_mhz": now.sm_mhz,
-            }
-        )
+        match, epoch = PACE.search(now.train), EPOCH.search(now.train)
+        if before is not None and match and epoch:
+            last = EPOCH.search(before.train)
+            if last and last[1] == epoch[1]:
+                delta = {k: now.cpu[k] - before.cpu[k] for k in FIELDS}
+                total = sum(delta.values()) or 1
+                busy = sum(delta[k] for k in ("user", "nice", "system", "irq", "softirq"))
+                rows.append(
+                    {
+                        "seconds": now.clock - samples[0].clock,
+                        "step": int(match[1]),
+                        "epoch": int(match[2]),
+                        "ms_per_step": float(match[3].replace(",", "")),
+                        "steal": delta["steal"] / total,
+                        "busy": busy / total,
+                        "sm_mhz": now.sm_mhz[gpu] if gpu < len(now.sm_mhz) else None,
+                    }
+                )
+        before = now
     return rows
 
 
@@ -76,28 +94,42 @@ def correlation(xs: list[float], ys: list[float]) -> float | None:
     return statistics.correlation(xs, ys)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("host_log", type=Path)
-    p.add_argument(
-        "--max-ms", type=float, default=500.0, help="leave out lines spanning a validation pass"
-    )
-    a = p.parse_args()
-    lines = a.host_log.read_text().splitlines()
+def read_samples(path: Path) -> list[Sample]:
+    """The log's samples; a damaged last line (a log archived while a line was written) is
+    left out with a warning, any other damaged line is an error."""
+    try:
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"error: {path}: {exc}") from None
     samples = []
-    for number, line in enumerate(lines, 1):
+    for index, line in enumerate(lines, 1):
         try:
             samples.append(parse_line(line))
         except ValueError as exc:
-            raise SystemExit(f"error: {a.host_log} line {number}: {exc}") from None
-    rows = [r for r in intervals(samples) if r["ms_per_step"] <= a.max_ms]
+            if index == len(lines):
+                print(f"warning: {path} line {index} left out: {exc}", file=sys.stderr)
+                break
+            raise SystemExit(f"error: {path} line {index}: {exc}") from None
+    return samples
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("host_log", type=Path)
+    p.add_argument("--gpu", type=int, default=0, help="the GPU whose SM clock is shown")
+    p.add_argument(
+        "--max-ms", type=float, default=500.0, help="leave out lines slower than this (a stall)"
+    )
+    a = p.parse_args()
+    rows = [r for r in intervals(read_samples(a.host_log), a.gpu) if r["ms_per_step"] <= a.max_ms]
     if not rows:
         raise SystemExit(f"error: {a.host_log} has no training progress lines to compare")
     print("seconds  epoch  step    ms/step  steal  busy   SM MHz")
     for r in rows:
+        mhz = "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}"
         print(
             f"{r['seconds']:7.0f}  {r['epoch']:5d}  {r['step']:6d}  {r['ms_per_step']:7.1f}  "
-            f"{r['steal']:5.3f}  {r['busy']:5.3f}  {r['sm_mhz'] or float('nan'):6.0f}"
+            f"{r['steal']:5.3f}  {r['busy']:5.3f}  {mhz:>6s}"
         )
     pace = [r["ms_per_step"] for r in rows]
     print(f"host_pace.lines = {len(rows)}")

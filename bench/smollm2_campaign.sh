@@ -67,18 +67,20 @@ GPUS=${GPUS:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}
 #  CONFIGS="configs/smollm2-gpu.yaml configs/overlays/cpu-slice.yaml" RUN_NAME=smollm2-cpu-slice
 #  PROMPTS=2 TRAIN_ARGS="--smoke --variants ours --profile-steps 0 --same-training 6")
 
-host_sample() { # every 10 s (HOST_SAMPLE_SECONDS) until the build ends, a line of $C/host.log:
-  # the clock (epoch seconds), /proc/stat's cpu line (jiffies: user nice system idle iowait irq
-  # softirq steal ...), the load, each GPU's SM clock, power and use, and training's latest
-  # progress line; read by bench/host_pace.py (does the pace follow stolen or busy CPU time?)
-  while [ ! -e "$C/done" ]; do
-    {
-      printf '%s %s | %s | ' "$(date +%s)" "$(head -1 /proc/stat)" "$(cut -d' ' -f1-3 /proc/loadavg)"
-      { nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits \
-        2>/dev/null || true; } | tr '\n' ';'
-      printf ' | %s\n' "$(tail -c 4000 "$R/logs/train.log" 2>/dev/null | grep -a '^train: ' | tail -1 || true)"
-    } >>"$C/host.log"
-    sleep "${HOST_SAMPLE_SECONDS:-10}"
+host_sample() { # every 2 s (HOST_SAMPLE_SECONDS) until the build ends or this script is gone,
+  # a line of $C/host.log: the clock (epoch seconds), /proc/stat's cpu line (jiffies: user nice
+  # system idle iowait irq softirq steal ...), the load, each GPU's SM clock, power and use, and
+  # training's latest progress line (printed every 10 s: the samples between two lines give the
+  # host over that line's span); read by bench/host_pace.py (does the pace follow the host?)
+  local gpus train
+  while [ ! -e "$C/done" ] && kill -0 $$ 2>/dev/null; do
+    gpus=$({ timeout 5 nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu \
+      --format=csv,noheader,nounits 2>/dev/null || true; } | tr '\n' ';')
+    train=$(tail -c 4000 "$R/logs/train.log" 2>/dev/null | grep -a '^train: ' | tail -1 || true)
+    # one write a line: a wait that archives $C meanwhile finds whole lines
+    printf '%s %s | %s | %s | %s\n' "$(date +%s)" "$(head -1 /proc/stat)" \
+      "$(cut -d' ' -f1-3 /proc/loadavg)" "$gpus" "$train" >>"$C/host.log"
+    sleep "${HOST_SAMPLE_SECONDS:-2}"
   done
 }
 
@@ -213,8 +215,10 @@ for r in merged:
     for m in r["messages"]:
         if m["role"] == "assistant":
             m["content"] = without_cut_character(m["content"])
-with gzip.open(sys.argv[3], "wt", encoding="utf-8") as fh:
-    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in merged)
+# no time in the gzip header: the same conversations give the same bytes, so a merge run again
+# leaves the workflow's stamp of data.train.path (its sha256) as it was
+with open(sys.argv[3], "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as gz:
+    gz.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged).encode())
 print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones "
       f"({repeats} left out, their prompt already there)")
 PY
@@ -226,8 +230,8 @@ import gzip, json, sys
 from pathlib import Path
 from eagle3lib.conversations import read_records
 kept = [r for _, r in read_records(Path(sys.argv[1])) if not str(r["id"]).startswith("synthetic-")]
-with gzip.open(sys.argv[2], "wt", encoding="utf-8") as fh:
-    fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+with open(sys.argv[2], "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as gz:
+    gz.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode())
 print(f"without synthetic conversations: {len(kept)}")
 PY
   ;;

@@ -148,14 +148,21 @@ def test_a_layers_file_sets_its_recipe_and_gate_after_the_60k_build_file(layers,
 def test_the_committed_conversations_merge_into_the_60k_builds_training_file(tmp_path):
     """The data of the 60,476-conversation builds (docs/configuration.md's commands): the
     committed parts unpack, checked by their sha256, and the two merges give the steered build's
-    24,999 conversations (8,992 of them synthetic) and 35,477 more synthetic ones, each id once."""
+    24,999 conversations (8,992 of them synthetic) and 35,477 more synthetic ones, each id once;
+    a merge run again writes the same bytes (the workflow stamps the training file by them)."""
     import gzip
     import json
     import os
     import subprocess
+    import sys
 
     campaign = [str(ROOT / "bench/smollm2_campaign.sh")]
-    env = {**os.environ, "UNPACK_TO": str(tmp_path), "CAMPAIGN": str(tmp_path / "campaign")}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3
+        "UNPACK_TO": str(tmp_path),
+        "CAMPAIGN": str(tmp_path / "campaign"),
+    }
     for folder in ("smollm2-gpu-synthetic", "smollm2-gpu-synthetic-more"):
         proc = subprocess.run(
             [*campaign, "unpack-regenerated", str(ROOT / "bench/conversations" / folder)],
@@ -163,14 +170,14 @@ def test_the_committed_conversations_merge_into_the_60k_builds_training_file(tmp
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
     merged = []
-    for base, prompts, tag in (
-        ("regenerated", "smollm2-gpu-synthetic-more-prompts", "s1"),
-        ("m1", "smollm2-gpu-synthetic-more2-prompts", "s2"),
+    for base, prompts, tag, out in (
+        ("regenerated", "smollm2-gpu-synthetic-more-prompts", "s1", "m1"),
+        ("m1", "smollm2-gpu-synthetic-more2-prompts", "s2", "m2"),
+        ("m1", "smollm2-gpu-synthetic-more2-prompts", "s2", "m2-again"),
     ):
-        out = tmp_path / f"m{len(merged) + 1}.jsonl.gz"
         proc = subprocess.run(
-            [*campaign, "merge", str(tmp_path / f"{base}.jsonl.gz"),
-             str(tmp_path / f"{prompts}.jsonl.gz"), str(out), tag],
+            [*campaign, "merge", *(str(tmp_path / f"{name}.jsonl.gz") for name in (base, prompts, out)),
+             tag],
             env=env, capture_output=True, text=True,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -180,7 +187,10 @@ def test_the_committed_conversations_merge_into_the_60k_builds_training_file(tmp
         "there)",
         "merged: 42760 conversations and 17716 synthetic ones (17 left out, their prompt already "
         "there)",
+        "merged: 42760 conversations and 17716 synthetic ones (17 left out, their prompt already "
+        "there)",
     ]
+    assert (tmp_path / "m2.jsonl.gz").read_bytes() == (tmp_path / "m2-again.jsonl.gz").read_bytes()
     with gzip.open(tmp_path / "m2.jsonl.gz", "rt") as fh:
         ids = [json.loads(line)["id"] for line in fh]
     assert len(ids) == len(set(ids)) == 60476
