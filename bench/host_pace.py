@@ -63,9 +63,9 @@ def intervals(samples: list[Sample], gpu: int = 0) -> list[dict]:
     covers (to within a sampling interval at each end). A line whose span crosses an epoch's
     end (a validation pass) is left out."""
     rows, before = [], None  # the first sample of the previous progress line
-    for i, now in enumerate(samples):
-        if not now.train or (i and now.train == samples[i - 1].train):
-            continue
+    for now in samples:
+        if not now.train or (before is not None and now.train == before.train):
+            continue  # no line yet (or the log unread), or the same line as before
         match, epoch = PACE.search(now.train), EPOCH.search(now.train)
         if before is not None and match and epoch:
             last = EPOCH.search(before.train)
