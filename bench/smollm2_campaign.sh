@@ -191,9 +191,9 @@ merge) # BASE SYNTHETIC OUT [TAG]: the synthetic conversations of SYNTHETIC (a p
   # holds (a build sampling with an earlier build's seed repeats its prompts). Answers lose a
   # character the token limit cut, as regenerate.answer_text now does (earlier files kept it).
   python3 - "${2:?BASE}" "${3:?SYNTHETIC}" "${4:?OUT}" "${5:-}" <<'PY'
-import gzip, json, sys
+import sys
 from pathlib import Path
-from eagle3lib.conversations import first_prompt_key, read_records
+from eagle3lib.conversations import first_prompt_key, read_records, write_gzipped_jsonl
 from eagle3lib.regenerate import interleave, without_cut_character
 def read(path):
     return [record for _, record in read_records(Path(path))]
@@ -215,10 +215,7 @@ for r in merged:
     for m in r["messages"]:
         if m["role"] == "assistant":
             m["content"] = without_cut_character(m["content"])
-# no time in the gzip header: the same conversations give the same bytes, so a merge run again
-# leaves the workflow's stamp of data.train.path (its sha256) as it was
-with open(sys.argv[3], "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as gz:
-    gz.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged).encode())
+write_gzipped_jsonl(Path(sys.argv[3]), merged)  # the same bytes each run: the same stamp
 print(f"merged: {len(base)} conversations and {len(synthetic)} synthetic ones "
       f"({repeats} left out, their prompt already there)")
 PY
@@ -226,12 +223,11 @@ PY
 without-synthetic) # IN OUT: IN's conversations but the synthetic ones (ids synthetic-*), in
   # order, gzip (the regenerated ShareGPT conversations of a merged file: an ablation's data)
   python3 - "${2:?IN}" "${3:?OUT}" <<'PY'
-import gzip, json, sys
+import sys
 from pathlib import Path
-from eagle3lib.conversations import read_records
+from eagle3lib.conversations import read_records, write_gzipped_jsonl
 kept = [r for _, r in read_records(Path(sys.argv[1])) if not str(r["id"]).startswith("synthetic-")]
-with open(sys.argv[2], "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as gz:
-    gz.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode())
+write_gzipped_jsonl(Path(sys.argv[2]), kept)
 print(f"without synthetic conversations: {len(kept)}")
 PY
   ;;

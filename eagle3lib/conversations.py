@@ -1,4 +1,5 @@
-"""Reading conversation and prompt files: records from JSONL or JSON-array files (gzipped too),
+"""Reading conversation and prompt files: records from JSONL or JSON-array files (gzipped too;
+written back as gzipped JSONL),
 ShareGPT/OpenAI conversations validated into [{role, content}] turns, and held-out prompts
 (MT-bench, HumanEval or conversation records)."""
 
@@ -72,6 +73,13 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
         yield from _jsonl_records(path, text)
     else:
         yield from _json_array_records(path, text, allow_truncated_json)
+
+
+def write_gzipped_jsonl(path: Path, records: list[Any]) -> None:
+    """``records`` as gzipped JSONL that read_records reads back, with no time in the gzip
+    header: the same records give the same bytes (a stamp by sha256 stays as it was)."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    Path(path).write_bytes(gzip.compress(text.encode(), mtime=0))
 
 
 def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, Any]]:
