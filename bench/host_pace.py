@@ -1,8 +1,10 @@
 """Does the train job's pace follow the host? Reads the host.log that bench/smollm2_campaign.sh
 writes during a build (every 2 s: the clock, /proc/stat's cpu line, the load, each GPU's SM
 clock, power and use, training's latest progress line) and prints, per new progress line, its
-ms a step beside the CPU time stolen by the hypervisor, the CPU busy and the GPU's SM clock
-over the span that pace covers, then the correlation of the pace with each.
+ms a step beside the CPU time stolen by the hypervisor, the CPU busy and the GPU's SM clock,
+power and use (the mean of the samples in the span) over the span that pace covers, then the
+correlation of the pace with each. A GPU busy well below 100 % while training waits on no
+batch means the host sets the pace (launching kernels), not the GPU.
 
 A SmolLM2-sized draft's step is set by the host launching its kernels (BENCHMARKS.md, "Muon
 batched by matrix shape"), and its pace drifted within builds by 40-77 ms a step with no cause
@@ -28,7 +30,7 @@ FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 class Sample:
     clock: float
     cpu: dict[str, int]
-    sm_mhz: tuple[float | None, ...]  # per GPU, None where nvidia-smi gave no number
+    gpus: tuple[tuple[float | None, ...], ...]  # per GPU (SM MHz, W, % busy); None: no number
     train: str
 
 
@@ -52,9 +54,25 @@ def parse_line(line: str) -> Sample:
             f"not a host.log line (clock and /proc/stat's cpu line | load | GPUs | progress "
             f"line): {line[:80]!r}"
         ) from None
-    gpus = [g for g in parts[2].split(";") if g.strip()]
-    sm_mhz = tuple(number(g.split(",")[0].strip()) for g in gpus)
-    return Sample(clock, cpu, sm_mhz, parts[3])
+    gpus = tuple(
+        tuple((*map(number, g.split(",")), None, None, None)[:3])
+        for g in parts[2].split(";")
+        if g.strip()
+    )
+    return Sample(clock, cpu, gpus, parts[3])
+
+
+GPU_KEYS = ("sm_mhz", "gpu_watts", "gpu_busy")
+
+
+def gpu_means(span: list[Sample], gpu: int) -> dict[str, float | None]:
+    """Each GPU reading's mean over the samples of a span that have it (None if none do)."""
+    means = {}
+    for k, key in enumerate(GPU_KEYS):
+        values = [s.gpus[gpu][k] for s in span if gpu < len(s.gpus)]
+        values = [v for v in values if v is not None]
+        means[key] = statistics.fmean(values) if values else None
+    return means
 
 
 def intervals(samples: list[Sample], gpu: int = 0) -> list[dict]:
@@ -62,8 +80,9 @@ def intervals(samples: list[Sample], gpu: int = 0) -> list[dict]:
     sample that showed the line before it and the first that showed it, the span the pace
     covers (to within a sampling interval at each end). A line whose span crosses an epoch's
     end (a validation pass) is left out."""
-    rows, before = [], None  # the first sample of the previous progress line
+    rows, before, span = [], None, []  # the first sample of the previous progress line
     for now in samples:
+        span.append(now)  # the samples after ``before``, up to ``now``
         if not now.train or (before is not None and now.train == before.train):
             continue  # no line yet (or the log unread), or the same line as before
         match, epoch = PACE.search(now.train), EPOCH.search(now.train)
@@ -81,10 +100,10 @@ def intervals(samples: list[Sample], gpu: int = 0) -> list[dict]:
                         "ms_per_step": float(match[3].replace(",", "")),
                         "steal": delta["steal"] / total,
                         "busy": busy / total,
-                        "sm_mhz": now.sm_mhz[gpu] if gpu < len(now.sm_mhz) else None,
+                        **gpu_means(span, gpu),
                     }
                 )
-        before = now
+        before, span = now, []
     return rows
 
 
@@ -116,7 +135,7 @@ def read_samples(path: Path) -> list[Sample]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("host_log", type=Path)
-    p.add_argument("--gpu", type=int, default=0, help="the GPU whose SM clock is shown")
+    p.add_argument("--gpu", type=int, default=0, help="the GPU whose readings are shown")
     p.add_argument(
         "--max-ms", type=float, default=500.0, help="leave out lines slower than this (a stall)"
     )
@@ -124,17 +143,17 @@ def main() -> None:
     rows = [r for r in intervals(read_samples(a.host_log), a.gpu) if r["ms_per_step"] <= a.max_ms]
     if not rows:
         raise SystemExit(f"error: {a.host_log} has no training progress lines to compare")
-    print("seconds  epoch  step    ms/step  steal  busy   SM MHz")
+    print("seconds  epoch  step    ms/step  steal  busy   SM MHz  GPU W  GPU %")
     for r in rows:
-        mhz = "-" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f}"
+        gpu = ("-" if r[k] is None else f"{r[k]:.0f}" for k in GPU_KEYS)
         print(
             f"{r['seconds']:7.0f}  {r['epoch']:5d}  {r['step']:6d}  {r['ms_per_step']:7.1f}  "
-            f"{r['steal']:5.3f}  {r['busy']:5.3f}  {mhz:>6s}"
+            f"{r['steal']:5.3f}  {r['busy']:5.3f}  " + "  ".join(f"{g:>5s}" for g in gpu)
         )
     pace = [r["ms_per_step"] for r in rows]
     print(f"host_pace.lines = {len(rows)}")
     print(f"host_pace.ms_per_step.range = {min(pace):.1f}-{max(pace):.1f}")
-    for key in ("steal", "busy", "sm_mhz"):
+    for key in ("steal", "busy", *GPU_KEYS):
         pairs = [(r["ms_per_step"], r[key]) for r in rows if r[key] is not None]
         if not pairs:
             continue

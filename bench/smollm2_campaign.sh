@@ -296,6 +296,8 @@ run-parity)
   ;;
 run)
   echo "$(date +%T) build: start" >>"$C/status"
+  # the host's CPU model and cores: a host-bound step's pace differs between machines
+  { lscpu || head -30 /proc/cpuinfo; } >"$C/lscpu.txt" 2>&1 || true
   host_sample &
   # shellcheck disable=SC2086
   python3 -m snakemake --configfile $CONFIGS "$C/noserve.yaml" --cores "$(nproc)" --resources gpu="$GPUS" \
@@ -353,6 +355,7 @@ wait)
   bring_back "$R/regenerated/conversations.jsonl" regenerated
   bring_back "$P/regenerated/conversations.jsonl" "${RUN_NAME:-smollm2-gpu}-prompts"
   cat "$C/status"
+  grep -m1 -i "model name" "$C/lscpu.txt" 2>/dev/null || true
   grep -E "steps|Error|error" "$C"/snakemake*.log | tail -3 || true
   # training's latest pace and time left (snakemake's log has only its first line)
   tail -c 20000 "$R/logs/train.log" 2>/dev/null | grep -a "^train: " | tail -1 || true

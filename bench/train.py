@@ -11,8 +11,11 @@ model are used by both. Variants (``VARIANTS``):
 
     ours                  eagle3lib.streaming_trainer.StreamingTrainer, AdamW, metrics every 100 steps,
                           batches built by 4 threads (train.loader_threads)
-    ours_muon             the workflow's default recipe: Muon, log every 10 steps
-    ours_ffd              ours with train.packing: ffd (fuller batches)
+    ours_muon             the workflow's default recipe (Muon, log every 10 steps) with
+                          speculators' packing (multipack)
+    ours_muon_ffd         the workflow's default recipe whole: ours_muon with train.packing: ffd
+    ours_ffd              ours with train.packing: ffd (the workflow's default since
+                          2026-12-04: fuller batches); ours itself packs as speculators does
     ours_fp8              ours on fp8 shards of the same states
     ours_syncs            ours with speculators' loss metrics as they are (8 host syncs a step)
     ours_1thread          ours with one thread running speculators' CollateFn (the old loader)
@@ -37,10 +40,12 @@ timed window. --repeat N runs the variant list N times in order, so pairs interl
 Real (non-padding) tokens per second are timed between steps --warmup and --steps with the
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
 window (ours only). The summary pairs the i-th runs of: ours and speculators' trainer at its
-best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_muon and
-speculators_cli, ours_ffd and ours; per comparison every pair's ratio, the min and the median.
+best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
+that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours;
+per comparison every pair's ratio, the min and the median.
 It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
-speedup_vs_speculators (min over pairs), muon.speedup_vs_speculators_cli (min),
+speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd),
+muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
 contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
 contended.vs_quiet, pack_fill (speculators' sampler, one epoch of the bench's samples) and
 ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
@@ -55,6 +60,12 @@ Next GPU measurements (durations are estimates from earlier calls, not measured:
 each run builds the draft and, first in a process, compiles it; runs with 12 spawned workers
 start more slowly):
 
+  0. one H200 (nvidia-h200), about 6-8 min, 18 runs (not run yet): the workflow's default
+     packing (ffd since 2026-12-04) against speculators' trainer at its best, and the default
+     recipe whole against its CLI defaults:
+       python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
+         --repeat 3 \
+         --variants ours_ffd,speculators_w0,speculators_w4,speculators_w12,ours_muon_ffd,speculators_cli
   1. one H200 (nvidia-h200), about 6-8 min, 21 runs (ran on 2026-12-01, BENCHMARKS.md): the
      fair baseline, the default recipe and contention (12 busy processes on the 16 cores):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
@@ -150,8 +161,12 @@ class Variant:
 VARIANTS = {
     # StreamingTrainer, AdamW, metrics every 100 steps, batches built by 4 threads
     "ours": Variant(),
-    # the workflow's default recipe: Muon, log every train.log_every (10) steps
-    "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every),
+    # the workflow's default recipe (Muon, log every train.log_every (10) steps) with
+    # speculators' packing; ours_muon_ffd: with the workflow's default packing too
+    "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every, packing="multipack"),
+    "ours_muon_ffd": Variant(
+        optimizer="muon", log_every=TrainConfig.log_every, packing=TrainConfig.packing
+    ),
     # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
     # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
     # an H200), to size the host time Muon's eager ops cost
@@ -663,8 +678,9 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
 
     - ours (AdamW) against speculators' trainer at its best loader setting of this call
       (the setting with the highest median tokens/s): every pair's ratio, min and median;
-      the key is the min;
-    - ours_muon (the workflow's default recipe) against speculators_cli (its CLI defaults);
+      the key is the min; the same for ours_ffd (the workflow's default packing);
+    - ours_muon (the workflow's default recipe with speculators' packing) and ours_muon_ffd
+      (with its own) against speculators_cli (its CLI defaults);
     - ours+contend (busy processes in the window) against quiet ours;
     - ours_ffd against ours (fuller batches)."""
     summary: dict = {}
@@ -704,7 +720,9 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
             + f" (best: {best})"
         )
         comparison("speedup_vs_speculators", "ours", best)
+        comparison("ffd.speedup_vs_speculators", "ours_ffd", best)
     comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
+    comparison("muon_ffd.speedup_vs_speculators_cli", "ours_muon_ffd", "speculators_cli")
     comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")

@@ -225,7 +225,7 @@ class TrainConfig:
     log_every: int = 10
     loader_workers: int = 0
     loader_threads: int = 4
-    packing: str = "multipack"
+    packing: str = "ffd"
     attention: str = "auto"
     loss: str = "auto"
     gpus: int = 0

@@ -64,8 +64,8 @@ def test_each_progress_line_gets_the_host_over_the_span_its_pace_covers(host_pac
             line(102, host.advance(**step, steal=0), FIRST_STEP),
             line(104, host.advance(**step, steal=100), FIRST_STEP),
             line(106, host.advance(**step, steal=149), progress(239, 42.1), "1980, 350.1, 45;"),
-            line(108, host.advance(**step, steal=0), progress(239, 42.1)),  # the same line
-            line(110, host.advance(**step, steal=50), progress(472, 43.0)),
+            line(108, host.advance(**step, steal=0), progress(239, 42.1), "1900, 300, 55;"),
+            line(110, host.advance(**step, steal=50), progress(472, 43.0), "2000, 400.5, 66;"),
             line(112, host.advance(**step, steal=0), progress(480, 1147.0, epoch=2)),
             line(114, host.advance(**step, steal=0), progress(700, 57.5, epoch=2), "[N/A], 1, 2;"),
         )
@@ -84,8 +84,13 @@ def test_each_progress_line_gets_the_host_over_the_span_its_pace_covers(host_pac
     assert rows[2]["steal"] == 0
     busy = 500 + 7 + 90 + 3 + 11  # user nice system irq softirq: not idle, iowait or steal
     assert rows[2]["busy"] == pytest.approx(busy / per_sample)
-    assert rows[0]["sm_mhz"] == 1980 and rows[1]["sm_mhz"] is None  # no GPU reading there
-    assert rows[2]["sm_mhz"] is None  # nvidia-smi's [N/A]
+    # the GPU's readings: the mean of the span's samples that have them
+    assert (rows[0]["sm_mhz"], rows[0]["gpu_watts"], rows[0]["gpu_busy"]) == (1980, 350.1, 45)
+    assert (rows[1]["sm_mhz"], rows[1]["gpu_watts"], rows[1]["gpu_busy"]) == (1950, 350.25, 60.5)
+    assert rows[2]["sm_mhz"] is None  # nvidia-smi's [N/A] (and no reading in the span's other)
+    assert (rows[2]["gpu_watts"], rows[2]["gpu_busy"]) == (1, 2)
+    other = host_pace.parse_line(line(116, host.advance(), "", "No devices were found;"))
+    assert other.gpus == ((None, None, None),)
 
 
 def write_log(path: Path, paces: list[float], steals: list[int]) -> None:

@@ -51,6 +51,30 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
     assert "train.h200.batched_muon.speedup_vs_torch_muon = 1.000" in lines
 
 
+def test_summary_pairs_the_default_packing_with_speculators_best_and_its_cli(bench):
+    """ffd is the workflow's default packing: ours_ffd pairs with speculators' best setting of
+    the call and ours_muon_ffd (the default recipe whole) with its CLI defaults."""
+    results = []
+    for k in range(3):
+        results += [
+            run("ours_ffd", [52000, 41600, 54000][k]) | {"window_fill": 0.94},
+            run("speculators_w0", [26000, 23000, 24000][k]),
+            run("speculators_w12", 25000),
+            run("ours_muon_ffd", [31000, 29450, 33000][k]),
+            run("speculators_cli", 15500),
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    assert summary["speculators_best"] == "speculators_w12"
+    ffd = summary["ffd.speedup_vs_speculators"]
+    assert ffd["pairs"] == [2.08, 1.664, 2.16] and ffd["against"] == "speculators_w12"
+    assert "train.h200.ffd.speedup_vs_speculators = 1.664" in lines
+    assert "train.h200.muon_ffd.speedup_vs_speculators_cli = 1.900" in lines  # 29450 / 15500
+    assert "train.h200.muon_ffd.speedup_vs_speculators_cli.median = 2.000" in lines
+    assert "speedup_vs_speculators" not in summary  # no plain ours run in this call
+    assert bench.VARIANTS["ours_muon_ffd"].packing == "ffd" == bench.TrainConfig.packing
+    assert bench.VARIANTS["ours_muon"].packing == bench.VARIANTS["ours"].packing == "multipack"
+
+
 def test_summary_compares_the_default_recipes_loaders_with_its_4_threads(bench):
     results = []
     for k in range(2):
