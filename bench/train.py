@@ -47,7 +47,8 @@ It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
 speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd),
 muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
 contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
-contended.vs_quiet, pack_fill (speculators' sampler, one epoch of the bench's samples) and
+contended.vs_quiet, pack_fill (the workflow's default packing, ffd, over one epoch of the
+bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 2026-12-04) and
 ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
@@ -748,6 +749,18 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     return summary, lines
 
 
+def pack_fill_lines(fills: dict[str, float], tag: str, total_seq_len: int) -> list[str]:
+    """The fill keys at the bench's pack length: ``pack_fill`` the workflow's default packing
+    (train.packing), then each packing's own."""
+    from eagle3lib.batches import PACKINGS
+
+    default = fills[f"{TrainConfig.packing}.{total_seq_len}"]
+    return [f"train.{tag}.pack_fill = {default:.4f}"] + [
+        f"train.{tag}.{packing}.pack_fill = {fills[f'{packing}.{total_seq_len}']:.4f}"
+        for packing in PACKINGS
+    ]
+
+
 def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict, list[str]]:
     """ours and speculators' trainer (no workers: the same batches, the same AdamW recipe),
     and ours with twice the learning rate, ``--same-training`` steps with the loss logged every
@@ -987,8 +1000,7 @@ def main() -> None:
     summary["pack_fill"] = fills
     lines.append("pack fill (real tokens / positions, one epoch of the bench's samples): ")
     lines[-1] += ", ".join(f"{k} {v:.3f}" for k, v in fills.items())
-    lines.append(f"train.{tag}.pack_fill = {fills[f'multipack.{args.total_seq_len}']:.4f}")
-    lines.append(f"train.{tag}.ffd.pack_fill = {fills[f'ffd.{args.total_seq_len}']:.4f}")
+    lines += pack_fill_lines(fills, tag, args.total_seq_len)
     if same is not None:
         summary["same_training"] = same[0]
         lines += same[1]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-PACKINGS = ("multipack", "ffd")
+PACKINGS = ("ffd", "multipack")  # train.packing's default first
 
 
 # ---- packing ---------------------------------------------------------------------------------

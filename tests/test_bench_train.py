@@ -75,6 +75,16 @@ def test_summary_pairs_the_default_packing_with_speculators_best_and_its_cli(ben
     assert bench.VARIANTS["ours_muon"].packing == bench.VARIANTS["ours"].packing == "multipack"
 
 
+def test_pack_fill_is_the_default_packings_and_each_packing_has_its_own_key(bench):
+    fills = {"multipack.2048": 0.7113, "ffd.2048": 0.9228, "multipack.8192": 0.9, "ffd.8192": 0.97}
+    assert bench.pack_fill_lines(fills, "h200", 2048) == [
+        "train.h200.pack_fill = 0.9228",  # ffd: train.packing's default
+        "train.h200.ffd.pack_fill = 0.9228",
+        "train.h200.multipack.pack_fill = 0.7113",
+    ]
+    assert bench.pack_fill_lines(fills, "h200", 8192)[0] == "train.h200.pack_fill = 0.9700"
+
+
 def test_summary_compares_the_default_recipes_loaders_with_its_4_threads(bench):
     results = []
     for k in range(2):
