@@ -20,7 +20,9 @@ For a finished workflow run (``results/<run>``) and its config this
    speculators' own ``ArrowDataset`` and checks it equals what our ``ShardDataset`` serves,
    and that both multipack samplers give the same training batches;
 2. trains (a) with our stage: ``scripts/train.py`` with the config's train section, exactly as
-   the workflow's train rule runs it (and exports the checkpoint);
+   the workflow's train rule runs it (and exports the checkpoint), but packed by speculators'
+   multipack sampler (``train.packing: multipack``; the workflow's default is ffd), as its CLI
+   packs;
 3. trains (b) with speculators' real CLI entry, ``speculators.train.cli.main(
    TrainConfig.resolve(argv))``, with the same hyper-parameters, plus what a CPU needs
    (``eagle3lib.speculators_compat.cpu_trainer_patches()``, and the attention, loss and
@@ -335,7 +337,10 @@ def verify(run: dict, data_dir: Path, train_pairs, val_pairs, ratio: float) -> N
 
 
 def train_section(run: dict, seed: int) -> dict:
-    return {**run["train"], "seed": seed}
+    """Our stage's train section for ``seed``, packed by speculators' multipack sampler (the
+    only one its CLI has), so that both trainers train on the same batches whatever the run's
+    ``train.packing``: the comparison is of the wrapper, not of a packing."""
+    return {**run["train"], "seed": seed, "packing": "multipack"}
 
 
 def cli_argv(run: dict, conv: dict, seed: int, save_path: Path, log_dir: Path) -> list[str]:
