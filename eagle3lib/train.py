@@ -247,9 +247,9 @@ def _fingerprint(
 
 
 def _loaders(cfg, shard_paths, pairs: tuple[list, list], hidden: int, n_aux: int, dtype, storage):
-    """The train and validation DataLoaders. Validation is packed with seed 0, as speculators'
-    CLI does: the same batches for every seed, so validation losses compare across runs and
-    with the CLI's."""
+    """The train and validation DataLoaders. Validation is packed by speculators' multipack
+    sampler with seed 0, as its CLI does: the same batches for every seed and train.packing,
+    so validation losses compare across runs and with the CLI's."""
     train_pairs, val_pairs = pairs
     seq = cfg.total_seq_len
     train_loader = make_loader(
@@ -258,7 +258,7 @@ def _loaders(cfg, shard_paths, pairs: tuple[list, list], hidden: int, n_aux: int
     )  # fmt: skip
     val_loader = make_loader(
         ShardDataset(shard_paths, val_pairs, seq, dtype, storage),
-        seq, hidden, n_aux, 0, cfg.loader_workers,
+        seq, hidden, n_aux, 0, cfg.loader_workers, "multipack",
     )  # fmt: skip
     return train_loader, val_loader
 

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 from pathlib import Path
 
@@ -270,6 +271,24 @@ def test_ffd_packing_trains(pipeline, tmp_path):
     curve = train.loss_curves(train.read_metrics(tmp_path / "s" / "m.jsonl"))
     assert seen and len(curve["train_loss"]) == 2
     assert all(math.isfinite(x) for x in curve["train_loss"])
+
+
+@pytest.mark.parametrize("packing", ["ffd", "multipack"])
+def test_validation_is_packed_by_speculators_sampler_whatever_the_training_packing(
+    packing, monkeypatch
+):
+    """Validation batches are the same for every train.packing and seed (speculators' CLI's:
+    multipack, seed 0), so validation losses compare across builds."""
+    from eagle3lib.config import TrainConfig
+
+    calls = []
+    monkeypatch.setattr(train, "ShardDataset", lambda *args: args[1])  # the split's pairs
+    monkeypatch.setattr(train, "make_loader", lambda *args: calls.append(args) or args)
+    cfg = dataclasses.replace(TrainConfig(), packing=packing, seed=7)
+    train._loaders(cfg, ["s.safetensors"], (["t"], ["v"]), 64, 3, torch.bfloat16, "bf16")
+    (t, *_, t_seed, _, t_packing), (v, *_, v_seed, _, v_packing) = calls
+    assert (t, t_seed, t_packing) == (["t"], 7, packing)
+    assert (v, v_seed, v_packing) == (["v"], 0, "multipack")
 
 
 def test_training_never_changes_the_drafts_buffers(pipeline, tmp_path):
