@@ -198,7 +198,7 @@ def tiny_config(work: Path, verifier: Path, train: Path, evals: Path, cfg) -> Pa
 
     section = {
         "epochs": cfg.epochs, "lr": cfg.lr, "seed": cfg.seed, "nodes": 2, "gpus": 1,
-        "checkpoint_freq": cfg.checkpoint_freq,
+        "checkpoint_freq": cfg.checkpoint_freq, "packing": cfg.packing,
     }  # fmt: skip
     return tiny.write_config(work / "config.yaml", "t", verifier, train, evals, train=section)
 

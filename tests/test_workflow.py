@@ -162,8 +162,9 @@ def test_first_run_builds_checkpoint_and_report(ws):
 
 def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_model, tokenizer):
     """The workflow's acceptance against the same evaluation of an untrained draft (random
-    init, the run's own vocab map and layers) on the same prompts: measured 2.5 (14 steps, 21
-    accepted tokens) against 1.0 at k = 3 when this was written, on the 2-core CPU."""
+    init, the run's own vocab map and layers) on the same prompts: measured 3.45 (11 steps, 27
+    accepted tokens) with train.packing: ffd, the default, against 1.0 at k = 3 on the 2-core
+    CPU (2.5, 14 steps and 21 tokens, with speculators' multipack, the default before)."""
     import torch
 
     from eagle3lib import data, evaluate, train, vocab
@@ -193,7 +194,7 @@ def test_the_trained_draft_accepts_far_more_than_an_untrained_one(ws, verifier_m
     trained = json.loads((ws.results / "reports" / "acceptance.json").read_text())
     assert trained["prompts"] == baseline["prompts"] == 3
     assert baseline["acceptance_length"] < 1.25
-    assert 2.0 <= trained["acceptance_length"] <= 3.0  # a band around the measured 2.5
+    assert 3.0 <= trained["acceptance_length"] <= 3.9  # a band around the measured 3.45
     assert trained["acceptance_length"] >= baseline["acceptance_length"] + 1.0
 
 
