@@ -7,8 +7,9 @@ correlation of the pace with each. A GPU busy well below 100 % while training wa
 batch means the host sets the pace (launching kernels), not the GPU.
 
 A SmolLM2-sized draft's step is set by the host launching its kernels (BENCHMARKS.md, "Muon
-batched by matrix shape"), and its pace drifted within builds by 40-77 ms a step with no cause
-found; stolen time (other guests of the machine's host) is one candidate this shows or rules out.
+batched by matrix shape"), and its pace drifts within and between builds. On the ffd build's log
+(BENCHMARKS.md, "ffd packing as the default") the pace went with the GPU idling and with time
+stolen by the hypervisor (other guests of the machine's host).
 
     python3 bench/host_pace.py /tmp/campaign/host.log
 """
