@@ -28,6 +28,11 @@ model are used by both. Variants (``VARIANTS``):
                           built outside the training process; a thread of it pins them)
     ours_muon_nscompiled  an experiment: ours_muon with torch's Newton-Schulz function under
                           torch.compile (on an H200 two runs left it unsettled: BENCHMARKS.md)
+    ours_muon_ffd_cg      an experiment: ours_muon_ffd with inductor's CUDA graph trees (the
+                          compiled regions of the draft's forward and backward replayed as CUDA
+                          graphs; a new iteration marked after every step)
+    ours_muon_ffd_cppwrap an experiment: ours_muon_ffd with inductor's C++ wrapper launching
+                          the compiled kernels (less Python a kernel)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
                           loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
     speculators_fastest   the same with --workers workers (earlier commands)
@@ -83,6 +88,18 @@ start more slowly):
        torchrun --nproc-per-node 2 bench/train.py --samples 120 --steps 28 --warmup 8 \
          --profile-steps 0 --repeat 3 --variants ours,ours_nobcast \
          --baseline /tmp/eagle3-bench-train/bench_train.json
+  3. one H200, 9 runs, perhaps 15 min (not run yet; every run compiles the draft anew, and
+     the three-layer builds' first steps took 1.6-2.2 min, compiling): a SmolLM2-sized four-layer
+     draft, whose step is host-bound (GPU busy 38-69 % in the ffd build), with the compiled
+     regions replayed as CUDA graphs or launched by inductor's C++ wrapper, against the
+     default recipe; first three runs logging every step (the losses compare), then two
+     timed rounds:
+       python3 bench/train.py --shape smollm2 --num-layers 4 --samples 1000 --steps 20 \
+         --warmup 5 --profile-steps 0 --log-every 1 \
+         --variants ours_muon_ffd,ours_muon_ffd_cg,ours_muon_ffd_cppwrap && \
+       python3 bench/train.py --shape smollm2 --num-layers 4 --samples 1000 --steps 50 \
+         --warmup 10 --profile-steps 0 --repeat 2 \
+         --variants ours_muon_ffd,ours_muon_ffd_cg,ours_muon_ffd_cppwrap
 """
 
 from __future__ import annotations
@@ -156,6 +173,9 @@ class Variant:
     lr_factor: float = 1.0  # a mutation for --same-training
     compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
     batched_muon: bool = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
+    # experiments, not train options: how torch.compile's code launches its kernels on a GPU
+    cuda_graphs: bool = False  # inductor's CUDA graph trees (mode "reduce-overhead")
+    cpp_wrapper: bool = False  # inductor's C++ wrapper in place of its Python one
 
 
 # ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
@@ -185,6 +205,20 @@ VARIANTS = {
         optimizer="muon", log_every=TrainConfig.log_every, loader_threads=1
     ),
     "ours_muon_workers": Variant(optimizer="muon", log_every=TrainConfig.log_every, workers=None),
+    # experiments for a host-bound step (a SmolLM2-sized draft): the default recipe whole with
+    # its compiled regions replayed as CUDA graphs, or launched from inductor's C++ wrapper
+    "ours_muon_ffd_cg": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        cuda_graphs=True,
+    ),
+    "ours_muon_ffd_cppwrap": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        cpp_wrapper=True,
+    ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
@@ -539,7 +573,8 @@ def run_variant(
                 tokens_box["layers"] = len(getattr(self.model, "module", self.model).layers)
                 check_window(len(tokens_box["per_batch"]), args.steps, args.samples)
                 clock.trainer = self
-                self.train_epoch = functools.partial(super().train_epoch, step_callback=clock)
+                callback = graph_steps(clock) if v.cuda_graphs else clock
+                self.train_epoch = functools.partial(super().train_epoch, step_callback=callback)
 
             def val_epoch(self, epoch):  # not part of the benchmark
                 return None
@@ -562,8 +597,9 @@ def run_variant(
     if state.exists() and os.environ.get("RANK", "0") == "0":  # other ranks wait in train()
         shutil.rmtree(state)
     started, graphs_before = time.perf_counter(), compiled_graphs()
+    skips_before = inductor_counter("cudagraph_skips")
     try:
-        with compiled_newton_schulz(v.compiled_ns):
+        with compiled_newton_schulz(v.compiled_ns), inductor_settings(v):
             stats = train.train(
                 cfg,
                 record,
@@ -628,10 +664,59 @@ def run_variant(
         "gpu_busy_fraction": clock.gpu_busy,
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
         "graphs_compiled": compiled_graphs() - graphs_before,
+        # compiled regions that ran without CUDA graphs (inductor logs each one's reason)
+        "cudagraph_skips": inductor_counter("cudagraph_skips") - skips_before
+        if v.cuda_graphs
+        else None,
         "attention": stats["attention"],
         "loss_implementation": stats["loss_implementation"],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+@contextlib.contextmanager
+def inductor_settings(v: Variant):
+    """Inside the block, torch.compile's inductor with ``v``'s CUDA graphs and C++ wrapper
+    settings; the compiled frames of earlier runs are dropped on the way in and out, so no run
+    replays code compiled under another setting."""
+    changed = {
+        k: True
+        for k, on in (("triton.cudagraphs", v.cuda_graphs), ("cpp_wrapper", v.cpp_wrapper))
+        if on
+    }
+    if not changed:
+        yield
+        return
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(changed):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def graph_steps(clock):
+    """``clock``, then a new CUDA graph trees iteration marked: the step's outputs (loss,
+    metrics) may be overwritten from here on, and the next step's replays may reuse them."""
+
+    def after_step():
+        clock()
+        torch.compiler.cudagraph_mark_step_begin()
+
+    return after_step
+
+
+def inductor_counter(name: str) -> int:
+    """One of torch.compile's inductor counters in this process so far (reporting only)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"][name])
+    except Exception:  # noqa: BLE001 - an internal counter, reporting only
+        return 0
 
 
 @contextlib.contextmanager
@@ -683,7 +768,11 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     - ours_muon (the workflow's default recipe with speculators' packing) and ours_muon_ffd
       (with its own) against speculators_cli (its CLI defaults);
     - ours+contend (busy processes in the window) against quiet ours;
-    - ours_ffd against ours (fuller batches)."""
+    - ours_ffd against ours (fuller batches);
+    - ours_muon_ffd_cg and ours_muon_ffd_cppwrap against ours_muon_ffd: tokens/s per pair,
+      and where the runs logged their losses (--log-every), the largest relative difference
+      between the losses of each pair's runs (the same batches, the same kernels launched
+      otherwise)."""
     summary: dict = {}
     lines: list[str] = []
 
@@ -700,6 +789,19 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         lines.append(f"{key} per pair ({a} / {b}): " + ", ".join(f"{x:.3f}" for x in ratios))
         lines.append(f"train.{tag}.{key} = {min(ratios):.3f}")
         lines.append(f"train.{tag}.{key}.median = {float(np.median(ratios)):.3f}")
+
+    def same_losses(key: str, a: str, b: str) -> None:
+        from eagle3lib.train import max_relative_difference
+
+        curves = [
+            [r["loss_curve"]["train_loss"] for r in results if r["name"] == n and r["loss_curve"]]
+            for n in (a, b)
+        ]
+        # the i-th runs of a and b, over the steps both logged
+        differences = [max_relative_difference(y, x) for x, y in zip(*curves, strict=False)]
+        if differences:
+            summary[key]["max_loss_relative_difference"] = max(differences)
+            lines.append(f"train.{tag}.{key}.max_loss_relative_difference = {max(differences):.5f}")
 
     ours = median_of(results, "ours")
     if ours is not None:
@@ -746,6 +848,16 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         fill = median_of(results, "ours_ffd", "window_fill")
         lines.append(f"ours_ffd window fill {fill:.3f}")
         comparison("ffd.speedup_vs_ours", "ours_ffd", "ours")
+    for key, name in (
+        ("cuda_graphs", "ours_muon_ffd_cg"),
+        ("cpp_wrapper", "ours_muon_ffd_cppwrap"),
+    ):
+        comparison(f"{key}.speedup", name, "ours_muon_ffd")
+        if f"{key}.speedup" in summary:
+            same_losses(f"{key}.speedup", name, "ours_muon_ffd")
+    skips = [r.get("cudagraph_skips") for r in results if r["name"] == "ours_muon_ffd_cg"]
+    if skips:
+        lines.append(f"ours_muon_ffd_cg: compiled regions without CUDA graphs per run: {skips}")
     return summary, lines
 
 

@@ -1,5 +1,6 @@
 rule extract:
-    """Hidden states of one shard: aux layers and the final layer's pre-norm output, bf16."""
+    """Hidden states of one shard: aux layers and the final layer's pre-norm output, bf16 or fp8
+    (extract.storage)."""
     input:
         verifier=VERIFIER,
         samples=SAMPLES,

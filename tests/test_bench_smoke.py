@@ -54,6 +54,19 @@ def test_train_smoke(tmp_path):
     assert "train.cpu.batched_muon.max_relative_difference = " in out
 
 
+def test_train_kernel_launch_experiments_run_and_log_the_same_losses_on_a_cpu(tmp_path):
+    """The CUDA graphs and C++ wrapper variants switch inductor settings around their runs
+    only; on a CPU, where speculators compiles nothing, their losses equal the default
+    recipe's to the bit (on a GPU the pairs measure what the settings change)."""
+    out = smoke(
+        "train.py", "--profile-steps", "0", "--log-every", "1", "--out", str(tmp_path),
+        "--variants", "ours_muon_ffd,ours_muon_ffd_cg,ours_muon_ffd_cppwrap",
+    )  # fmt: skip
+    assert "train.cpu.cuda_graphs.speedup.max_loss_relative_difference = 0.00000" in out
+    assert "train.cpu.cpp_wrapper.speedup.max_loss_relative_difference = 0.00000" in out
+    assert "ours_muon_ffd_cg: compiled regions without CUDA graphs per run: [0]" in out
+
+
 def test_train_refuses_a_timed_window_past_the_epoch(tmp_path):
     """A window that never closes used to end in a TypeError after training; now the run stops
     when the trainer is built, naming the flags, and writes no summary."""

@@ -154,3 +154,34 @@ def test_a_timed_window_past_the_epoch_is_refused_naming_both_flags(bench):
     message = str(refused.value)
     assert "--steps 120" in message and "119 batches" in message
     assert "--samples 1000" in message and "raise --samples or lower --steps" in message
+
+
+def test_summary_compares_kernel_launch_experiments_with_the_default_recipe(bench):
+    """ours_muon_ffd_cg (CUDA graphs) and ours_muon_ffd_cppwrap pair with ours_muon_ffd; where
+    the runs logged losses, each pair's largest relative loss difference is reported."""
+
+    def logged(name, tokens_per_s, losses):
+        return run(name, tokens_per_s) | {"loss_curve": {"train_loss": losses}}
+
+    results = []
+    for k in range(2):
+        results += [
+            logged("ours_muon_ffd", [20000, 21000][k], [4.0, 2.0, 1.0]),
+            logged("ours_muon_ffd_cg", [30000, 31500][k], [4.0, 2.02, 1.0, 0.5][: 3 + k])
+            | {"cudagraph_skips": [2, 0][k]},
+            run("ours_muon_ffd_cppwrap", [22000, 21000][k]) | {"loss_curve": None},
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    cg = summary["cuda_graphs.speedup"]
+    assert cg["pairs"] == [1.5, 1.5] and cg["against"] == "ours_muon_ffd"
+    assert cg["max_loss_relative_difference"] == pytest.approx(0.01)  # 2.02 against 2.0
+    assert "train.h200.cuda_graphs.speedup.max_loss_relative_difference = 0.01000" in lines
+    assert "ours_muon_ffd_cg: compiled regions without CUDA graphs per run: [2, 0]" in lines
+    wrap = summary["cpp_wrapper.speedup"]
+    assert wrap["pairs"] == [1.1, 1.0] and "max_loss_relative_difference" not in wrap
+    for name in ("ours_muon_ffd_cg", "ours_muon_ffd_cppwrap"):  # only how kernels launch differs
+        other = bench.VARIANTS[name]
+        assert (
+            bench.dataclasses.replace(other, cuda_graphs=False, cpp_wrapper=False)
+            == (bench.VARIANTS["ours_muon_ffd"])
+        )

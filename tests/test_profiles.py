@@ -268,5 +268,8 @@ def test_slurm_profile_submits_gpu_rules_with_gpus_and_cpu_rules_without(workspa
     assert f"--cpus-per-gpu={per_rule['train']['cpus_per_gpu']}" in train
     assert "--nodes=1" in train  # DDP on one node: its GPUs never spread over several
     assert not any(a.startswith("--cpus-per-task") for a in train), train
-    for rule in ("extract", "evaluate", *CPU_RULES):
-        assert any(a.startswith("--cpus-per-task=") for a in jobs[rule][0]), jobs[rule]
+    # every other rule: --cpus-per-task = its threads (profiles/README.md's table)
+    threads = {"prepare": 8, "extract": 4, "evaluate": 4}
+    for rule in ("extract", "evaluate", "check_checkpoint", "report", "validate", *CPU_RULES):
+        cpus = [a for a in jobs[rule][0] if a.startswith("--cpus-per-task=")]
+        assert cpus == [f"--cpus-per-task={threads.get(rule, 1)}"], jobs[rule]
