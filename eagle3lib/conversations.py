@@ -5,10 +5,11 @@ ShareGPT/OpenAI conversations validated into [{role, content}] turns, and held-o
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,36 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
         yield from _jsonl_records(path, text)
     else:
         yield from _json_array_records(path, text, allow_truncated_json)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSource:
+    """One file of training conversations: data.train's, or an entry of data.extra_train."""
+
+    path: Path
+    allow_truncated_json: bool = False
+    max_samples: int | None = None  # of this file (prepare: samples; regenerate: conversations)
+    id_prefix: str = ""  # before its records' ids: "" for data.train, "extra_train[k]:" else
+
+
+def train_sources(paths: Sequence[Path], data: dict[str, Any]) -> list[TrainSource]:
+    """The training files a job was given (data.train's, then data.extra_train's, in the
+    config's order) with their options from the config's ``data`` section."""
+    options = [data["train"], *data.get("extra_train", [])]
+    if len(paths) != len(options):
+        raise UserError(
+            f"{len(paths)} training file(s) given for {len(options)} in the data section "
+            "(data.train, data.extra_train); run the job through the workflow"
+        )
+    return [
+        TrainSource(
+            Path(path),
+            bool(o.get("allow_truncated_json", False)),
+            o.get("max_samples"),
+            "" if k == 0 else f"extra_train[{k - 1}]:",
+        )
+        for k, (path, o) in enumerate(zip(paths, options, strict=True))
+    ]
 
 
 def write_gzipped_jsonl(path: Path, records: list[Any]) -> None:

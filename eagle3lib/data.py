@@ -24,6 +24,7 @@ import numpy as np
 
 from eagle3lib.conversations import (
     InvalidRecord,
+    TrainSource,
     first_prompt_key,
     normalize_conversation,
     read_records,
@@ -153,25 +154,70 @@ class _Counts:
 
 
 def prepare_samples(
-    tokenizer, path: Path, cfg, held_out: EvalPromptIndex | None = None, workers: int = 1
+    tokenizer,
+    sources: Path | list[TrainSource],
+    cfg,
+    held_out: EvalPromptIndex | None = None,
+    workers: int = 1,
 ) -> PreparedSamples:
     """Read conversations, build samples with loss masks, count what was dropped and why.
 
-    Conversations whose user turns hold an eval prompt of ``held_out`` (copies, substrings,
-    near-duplicates: eagle3lib/leakage.py) are dropped and counted per eval set; with
-    ``cfg.dedupe``, so are those whose first prompt repeats a kept conversation's
-    (conversations.first_prompt_key). With ``workers`` > 1 the records are tokenized by that
-    many processes; the result is the same.
+    ``sources``: one file (read with ``cfg``'s allow_truncated_json and max_samples), or the
+    files of data.train and data.extra_train in order, each with its own options; a sample of
+    an extra file has its ``id_prefix`` before its id. Conversations whose user turns hold an
+    eval prompt of ``held_out`` (copies, substrings, near-duplicates: eagle3lib/leakage.py)
+    are dropped and counted per eval set; with ``cfg.dedupe``, so are those whose first prompt
+    repeats a kept conversation's (conversations.first_prompt_key), of any file. With
+    ``workers`` > 1 the records are tokenized by that many processes; the result is the same.
     """
-    check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(path))
+    if isinstance(sources, (str, Path)):
+        sources = [TrainSource(Path(sources), cfg.allow_truncated_json, cfg.max_samples)]
+    check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "") or str(sources[0].path))
     held_out = held_out or EvalPromptIndex()
     stop_at = cfg.max_length if cfg.truncation == "truncate" else None
     out = PreparedSamples([], [], [], Counter(), {})
     counts = _Counts()
-    records = read_records(path, cfg.allow_truncated_json)
     kept_prompts: set[str] = set()  # first_prompt_key of the conversations kept (dedupe)
+    per_source = []
+    for source in sources:
+        records_before, samples_before = counts.records, len(out.ids)
+        _prepare_source(
+            tokenizer, source, cfg, (held_out, stop_at, workers), out, counts, kept_prompts
+        )
+        per_source.append(
+            {
+                "path": source.path.name,
+                "records_read": counts.records - records_before,
+                "samples": len(out.ids) - samples_before,
+            }
+        )
+    out.summary = _summary(out, counts, held_out)
+    if len(sources) > 1:  # one file's summary stays as it was
+        out.summary["sources"] = per_source
+    if not out.ids:
+        raise _no_samples_error(", ".join(str(s.path) for s in sources), counts)
+    return out
+
+
+def _prepare_source(
+    tokenizer,
+    source: TrainSource,
+    cfg,
+    how: tuple[EvalPromptIndex, int | None, int],
+    out: PreparedSamples,
+    counts: _Counts,
+    kept_prompts: set[str],
+) -> None:
+    """prepare_samples for one file: its samples added to ``out``, at most its max_samples."""
+    held_out, stop_at, workers = how
+    path, samples_before = source.path, len(out.ids)
+    records = read_records(path, source.allow_truncated_json)
     for lineno, record, outcome in _outcomes(records, (tokenizer, held_out, stop_at), workers):
-        room = None if cfg.max_samples is None else cfg.max_samples - len(out.ids)
+        room = (
+            None
+            if source.max_samples is None
+            else source.max_samples - (len(out.ids) - samples_before)
+        )
         counts.records += 1
         samples, reason, sets, invalid, key = outcome
         if invalid and cfg.on_invalid_record == "error":
@@ -185,7 +231,8 @@ def prepare_samples(
         if reason:
             counts.dropped[reason] += 1
             continue
-        kept, dropped, truncated = _fit_samples(samples, _record_id(record, lineno), cfg, room)
+        record_id = source.id_prefix + _record_id(record, lineno)
+        kept, dropped, truncated = _fit_samples(samples, record_id, cfg, room)
         counts.dropped.update(dropped)
         counts.truncated += truncated
         if kept:
@@ -194,10 +241,6 @@ def prepare_samples(
             out.add(sample_id, input_ids, loss_mask)
         if room is not None and len(kept) >= room:
             break  # enough samples: no later record is read (nor computed, nor an error in it)
-    out.summary = _summary(out, counts, held_out)
-    if not out.ids:
-        raise _no_samples_error(path, counts)
-    return out
 
 
 # What the worker processes of _outcomes tokenize with: (tokenizer, held_out, stop_at), set
@@ -367,7 +410,7 @@ DROP_REMEDIES = {
 }
 
 
-def _no_samples_error(path: Path, counts: _Counts) -> UserError:
+def _no_samples_error(path: Path | str, counts: _Counts) -> UserError:
     dropped = counts.dropped
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items())) or "no records"
     remedy = DROP_REMEDIES.get(

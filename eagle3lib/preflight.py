@@ -230,15 +230,18 @@ def _draft_layer_problems(config: dict[str, Any]) -> list[str]:
 
 
 def _sample_problems(config: dict[str, Any], samples: int | None) -> list[str]:
-    """extract.shards against the samples there can be (data.train.max_samples) and those
-    prepare made; too few samples to train on."""
+    """extract.shards against the samples there can be (data.train.max_samples, and
+    data.extra_train's) and those prepare made; too few samples to train on."""
     shards = config["extract"]["shards"]
-    max_samples = config["data"]["train"]["max_samples"]
+    sources = [config["data"]["train"], *config["data"].get("extra_train", [])]
+    caps = [s.get("max_samples") for s in sources]
+    max_samples = None if None in caps else sum(caps)
+    keys = "data.train.max_samples" + (" and data.extra_train's" if len(caps) > 1 else "")
     out = []
     if max_samples is not None and shards > max_samples:
         out.append(
             f"config key extract.shards: {shards} shards for at most {max_samples} "
-            f"samples (data.train.max_samples) leaves a shard empty; use at most {max_samples} "
+            f"samples ({keys}) leaves a shard empty; use at most {max_samples} "
             "shards"
         )
     if samples is not None and shards > samples:

@@ -25,6 +25,7 @@ from typing import Any
 from eagle3lib.config import RegenerateConfig
 from eagle3lib.conversations import (
     InvalidRecord,
+    TrainSource,
     first_prompt_key,
     normalize_conversation,
     read_records,
@@ -63,11 +64,15 @@ def read_conversations(
     on_invalid: str,
     dedupe: bool = False,
     log=None,
+    *,
+    seen: set[str] | None = None,
+    id_prefix: str = "",
 ) -> list[dict[str, Any]]:
     """The first ``limit`` usable conversations with at least one user turn; with ``dedupe``,
-    none whose first prompt repeats an earlier one's (conversations.first_prompt_key)."""
+    none whose first prompt repeats an earlier one's (conversations.first_prompt_key; also
+    one in ``seen``, which is updated: several files). ``id_prefix`` goes before the ids."""
     out = []
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     repeats = 0
     for lineno, record in read_records(path, allow_truncated):
         if limit is not None and len(out) >= limit:
@@ -90,11 +95,26 @@ def read_conversations(
                 continue
             seen.add(key)
         rid = str(record.get("id", lineno)) if isinstance(record, dict) else str(lineno)
-        out.append({"id": rid, "turns": turns})
+        out.append({"id": id_prefix + rid, "turns": turns})
     if dedupe and log is not None:
         log(f"regenerate: {repeats} conversation(s) skipped: first prompt repeats an earlier one")
     if not out:
         raise UserError(f"{path}: no conversation with a user turn to regenerate")
+    return out
+
+
+def read_sources(
+    sources: list[TrainSource], on_invalid: str, dedupe: bool = False, log=None
+) -> list[dict[str, Any]]:
+    """read_conversations of each file (data.train's, then data.extra_train's), in order, each
+    at most its max_samples; with ``dedupe`` no first prompt repeats one of any file before."""
+    seen: set[str] = set()
+    out = []
+    for s in sources:
+        out += read_conversations(
+            s.path, s.max_samples, s.allow_truncated_json, on_invalid, dedupe, log,
+            seen=seen, id_prefix=s.id_prefix,
+        )  # fmt: skip
     return out
 
 

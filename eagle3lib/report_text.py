@@ -83,6 +83,15 @@ ACCEPTANCE_HEADERS = [
 ]
 
 
+def sources_row(data: dict[str, Any]) -> list[str]:
+    """The samples of each training file, where there were several (data.extra_train)."""
+    sources = data.get("sources")
+    if not sources:
+        return []
+    kept = ", ".join(f"{s['path']} {s['samples']} of {s['records_read']}" for s in sources)
+    return [f"| training samples per file (of the records read) | {kept} |"]
+
+
 def overlap_row(data: dict[str, Any]) -> list[str]:
     """The report's row of training conversations dropped for overlap with each eval set."""
     overlap = data.get("eval_overlap")
@@ -129,6 +138,7 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         f"| checkpoint valid | {summary['checkpoint_valid']} |",
         f"| training samples kept / dropped | {data['samples']} / {sum(data['dropped'].values())}"
         f"{truncated_note(data)} |",
+        *sources_row(data),
         *training_row(summary["training"]),
         *overlap_row(data),
         f"| hidden-state tokens / bytes | {hidden['tokens']} / {hidden['bytes']:,} |",

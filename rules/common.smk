@@ -380,8 +380,17 @@ def train_data():
 
 def prepare_section():
     """What decides the prepared samples (eval files are inputs; their names and prompt counts
-    are not)."""
+    are not). data.extra_train only when given (runs made before the key stay current); with
+    regeneration prepare reads the one regenerated file, whose conversations regenerate took
+    at most max_samples of each file: then no file's options are prepare's."""
     data = dict(config["data"], train=train_data())
+    extras = data.pop("extra_train")
+    if extras and runs("regenerate"):
+        data["train"] = dict(
+            data["train"], max_samples=None, allow_truncated_json=False
+        )
+    elif extras:
+        data["extra_train"] = extras
     data["eval"] = {
         k: v for k, v in data["eval"].items() if k not in ("max_prompts", "name")
     }
@@ -393,9 +402,11 @@ def prepare_section():
 
 
 def regenerate_data():
-    """What decides the regenerated conversations of the data section (not the eval sets)."""
+    """What decides the regenerated conversations of the data section (not the eval sets);
+    data.extra_train only when given."""
     data = dict(config["data"], train=train_data())
     keys = ("train", "max_length", "on_invalid_record")
+    keys += ("extra_train",) if data["extra_train"] else ()
     return json.dumps({k: data[k] for k in keys}, sort_keys=True)
 
 
@@ -433,7 +444,7 @@ def extract_engine():
 
 def train_conversations(wildcards):
     """prepare's conversations: the regenerated ones when data regeneration is on."""
-    return REGENERATED if runs("regenerate") else data_file("train")
+    return REGENERATED if runs("regenerate") else train_files()
 
 
 def log(name):
@@ -457,6 +468,24 @@ def data_file(key):
         return str(resolve_data_path(config["data"][key]["path"], f"data.{key}.path"))
     except UserError as exc:
         fail(exc)
+
+
+def train_file_keys():
+    """{config key: file} of data.train and data.extra_train, in order; a bad path stops the
+    run."""
+    files = {"data.train.path": data_file("train")}
+    for i, entry in enumerate(config["data"]["extra_train"]):
+        key = f"data.extra_train[{i}].path"
+        try:
+            files[key] = str(resolve_data_path(entry["path"], key))
+        except UserError as exc:
+            fail(exc)
+    return files
+
+
+def train_files():
+    """The training conversations' files: data.train's, then data.extra_train's."""
+    return list(train_file_keys().values())
 
 
 def eval_sets():
@@ -579,7 +608,7 @@ def stamp(job):
     fingerprints of the files from outside the run it reads. The job records it in its
     provenance; planning compares it (forget_stale_artifacts)."""
     evals = dict(zip([f"{k}.path" for k in eval_specs()], eval_files()))
-    train_data = {"data.train.path": data_file("train")}
+    train_data = train_file_keys()
     parts = {
         "verifier": (
             {"verifier": config["verifier"]},
@@ -687,7 +716,7 @@ def check_before_jobs():
     """eagle3lib/preflight.py on this config: the first problem stops the run in one line.
     Returns the verifier facts it read (for the disk estimate)."""
     sets = [{"key": key, "path": path} for key, path in zip(eval_specs(), eval_files())]
-    files = {"data.train.path": Path(data_file("train"))}
+    files = {key: Path(path) for key, path in train_file_keys().items()}
     files.update({f"{s['key']}.path": Path(s["path"]) for s in sets})
     problems, facts = preflight.planning_problems(
         config,

@@ -2,7 +2,7 @@ rule regenerate:
     """Assistant turns rewritten by the verifier, turn by turn (hf or vllm backend)."""
     input:
         verifier=VERIFIER,
-        train=data_file("train"),
+        train=train_files(),
         script=script("regenerate.py"),
         gpu_job=script("gpu_job.py"),
     output:

@@ -9,7 +9,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib import data
 from eagle3lib.config import PrepareConfig, from_dict
-from eagle3lib.conversations import read_eval_prompts
+from eagle3lib.conversations import read_eval_prompts, train_sources
 from eagle3lib.errors import cli
 from eagle3lib.fileio import write_json
 from eagle3lib.leakage import EvalPromptIndex
@@ -28,7 +28,13 @@ def job_threads() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True)
-    p.add_argument("--train", type=Path, required=True)
+    p.add_argument(
+        "--train",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="conversations: data.train's file, then data.extra_train's (or the regenerated)",
+    )
     p.add_argument(
         "--eval",
         type=Path,
@@ -58,7 +64,8 @@ def main() -> None:
         [[x["text"] for x in read_eval_prompts(path, None)] for path in a.eval]
     )
     print(f"prepare: {a.workers} tokenizing processes", flush=True)
-    prepared = data.prepare_samples(tokenizer, a.train, cfg, held_out, a.workers)
+    sources = train_sources(a.train, section)
+    prepared = data.prepare_samples(tokenizer, sources, cfg, held_out, a.workers)
     data.save_prepared(prepared, a.out_samples, record["vocab_size"])
     write_json(a.out_info, {**prepared.summary, "ids": prepared.ids})
     if a.provenance:

@@ -14,7 +14,13 @@ from eagle3lib.lifetime import hold_folders
 def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--verifier", type=Path, required=True, help="verifier.json")
-    p.add_argument("--train", type=Path, required=True, help="the original conversations")
+    p.add_argument(
+        "--train",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="the original conversations: data.train's file, then data.extra_train's",
+    )
     p.add_argument("--data", required=True, help="the config's data section as JSON")
     p.add_argument("--regenerate", required=True, help="the config's regenerate section as JSON")
     p.add_argument("--vllm", required=True, help="the config's vllm section as JSON")
@@ -39,6 +45,7 @@ def main() -> None:
 
     from eagle3lib import regenerate as rg
     from eagle3lib.config import RegenerateConfig, from_dict
+    from eagle3lib.conversations import train_sources
     from eagle3lib.data import check_chat_template, render_ids_batch
     from eagle3lib.verifier import load_tokenizer, read_record
 
@@ -53,10 +60,8 @@ def main() -> None:
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     check_chat_template(tokenizer, f"verifier {record['path']!r}")
-    conversations = rg.read_conversations(
-        a.train,
-        data["train"].get("max_samples"),
-        data["train"].get("allow_truncated_json", False),
+    conversations = rg.read_sources(
+        train_sources(a.train, data),
         data.get("on_invalid_record", "error"),
         data["train"].get("dedupe", False),
         log=rg.log_stderr,
@@ -69,7 +74,8 @@ def main() -> None:
         return rg.answer_text(tokenizer, ids)
 
     fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
-                   "data": data["train"], "max_length": data["max_length"]}  # fmt: skip
+                   "data": data["train"], "max_length": data["max_length"],
+                   **({"extra_train": data["extra_train"]} if data.get("extra_train") else {})}  # fmt: skip
     worker = tuple(int(x) for x in a.worker.split("/")) if a.worker else None
     run = lambda generate, make_sampler=None: rg.regenerate(  # noqa: E731
         conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
@@ -84,7 +90,9 @@ def main() -> None:
         stats = with_hf(a, cfg, record, tokenizer, run)
         if worker is not None:
             return
-    info = {**stats, "settings": section, "verifier": record["name"], "source": str(a.train.name)}
+    names = [path.name for path in a.train]
+    source = names[0] if len(names) == 1 else names  # one file: as before
+    info = {**stats, "settings": section, "verifier": record["name"], "source": source}
     write_json(a.out_info, info)
     print(json.dumps(info, indent=2), file=sys.stdout)
     if a.provenance:

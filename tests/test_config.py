@@ -40,6 +40,7 @@ NO_DATACLASS = {
     "verifier.trust_remote_code": "scripts/verifier.py reads the verifier section as a mapping",
     "verifier.allow_pickle": "scripts/verifier.py reads the verifier section as a mapping",
     "data.extra_eval": "the workflow turns the eval sets into evaluate's --eval-sets list",
+    "data.extra_train": "conversations.train_sources pairs its entries with the --train files",
     "eval_set.name": "the workflow turns the eval sets into evaluate's --eval-sets list",
     "eval_set.max_prompts": "the workflow turns the eval sets into evaluate's --eval-sets list",
     "regenerate.enabled": "the switch of the regenerate job (rules/common.smk)",

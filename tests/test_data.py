@@ -424,3 +424,53 @@ def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, name):
     text = json.dumps(records) if name.endswith(".json") else "\n".join(map(json.dumps, records))
     (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
     assert [r for _, r in conversations.read_records(tmp_path / name)] == records
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_extra_train_files_follow_data_trains_each_to_its_own_max_samples(
+    tokenizer, tmp_path, workers
+):
+    """data.extra_train: each file read after the ones before it, at most its own max_samples,
+    its ids prefixed; dedupe across the files; a bad record named by its own file and line."""
+    main = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(4, fmt="openai"))
+    records = tiny.conversations(4, seed=5)  # ShareGPT: the formats mix
+    copy = tiny.conversations(4, fmt="openai")[1]["messages"]  # data.train's second prompt
+    records.insert(1, {"messages": [copy[0], {"role": "assistant", "content": "other reply"}]})
+    extra = tiny.write_jsonl(tmp_path / "extra.jsonl", records)
+    section = {"train": {"max_samples": 3}, "extra_train": [{"max_samples": 3}]}
+    sources = conversations.train_sources([main, extra], section)
+    assert [s.id_prefix for s in sources] == ["", "extra_train[0]:"]
+    cfg = PrepareConfig(dedupe=True)
+    both = data.prepare_samples(tokenizer, sources, cfg, workers=workers)
+    assert both.ids == ["c0", "c1", "c2", "extra_train[0]:c0", "extra_train[0]:c1",
+                        "extra_train[0]:c2"]  # fmt: skip
+    assert both.summary["dropped"] == {"repeated_prompt": 1}  # the copy of c1's prompt
+    assert both.summary["sources"] == [
+        {"path": "train.jsonl", "records_read": 3, "samples": 3},
+        {"path": "extra.jsonl", "records_read": 4, "samples": 3},
+    ]
+    alone = data.prepare_samples(tokenizer, main, PrepareConfig(max_samples=3), workers=workers)
+    assert alone.ids == both.ids[:3] and "sources" not in alone.summary  # one file: as before
+    for a, b in zip(alone.input_ids, both.input_ids, strict=False):
+        assert np.array_equal(a, b)
+    records.insert(2, {"messages": [{"role": "user", "content": ""}]})
+    tiny.write_jsonl(extra, records)
+    with pytest.raises(UserError, match=r"extra\.jsonl:3: empty content"):
+        data.prepare_samples(tokenizer, sources, cfg, workers=workers)
+    with pytest.raises(UserError, match=r"2 training file\(s\) given for 1 in the data section"):
+        conversations.train_sources([main, extra], {"train": {}})
+
+
+def test_regeneration_reads_extra_train_files_after_data_trains(tmp_path):
+    from eagle3lib import regenerate
+
+    main = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(3))
+    records = tiny.conversations(3, seed=5, fmt="openai")
+    records[2] = {"messages": tiny.conversations(3, fmt="openai")[0]["messages"]}  # a repeat
+    extra = tiny.write_jsonl(tmp_path / "extra.jsonl", records)
+    section = {"train": {"max_samples": 2}, "extra_train": [{}]}
+    sources = conversations.train_sources([main, extra], section)
+    read = regenerate.read_sources(sources, "error", dedupe=True)
+    assert [c["id"] for c in read] == ["c0", "c1", "extra_train[0]:c0", "extra_train[0]:c1"]
+    every = regenerate.read_sources(sources, "error")
+    assert [c["id"] for c in every][-1] == "extra_train[0]:3"  # no id: its line

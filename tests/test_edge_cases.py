@@ -373,6 +373,11 @@ CASES = [
     Case("more-shards-than-max-samples",
          _set(extract__shards=4, data__train={"path": "PLACEHOLDER", "max_samples": 3}),
          "config key extract.shards: 4 shards for at most 3 samples", "use at most 3 shards"),
+    Case("more-shards-than-the-training-files-max-samples",
+         _set(extract__shards=6, data__train={"path": "PLACEHOLDER", "max_samples": 3},
+              data__extra_train=[{"path": "PLACEHOLDER", "max_samples": 2}]),
+         "config key extract.shards: 6 shards for at most 5 samples (data.train.max_samples "
+         "and data.extra_train's)", "use at most 5 shards", process=True),
     Case("more-shards-than-prepared-samples", _shards_for_prepared,
          "config key extract.shards: 4 shards for the 3 samples prepare made",
          "use at most 3 shards"),
@@ -438,9 +443,9 @@ def _gguf_as_verifier(env):
 def setup_case(case: Case, folder: Path, verifier_dir: Path, gguf: Path) -> Env:
     env = Env(folder, verifier_dir, gguf)
     case.setup(env)
-    train = env.config["data"]["train"]
-    if train.get("path") == "PLACEHOLDER":
-        train["path"] = str(env.dir / "train.jsonl")
+    for train in [env.config["data"]["train"], *env.config["data"].get("extra_train", [])]:
+        if train.get("path") == "PLACEHOLDER":
+            train["path"] = str(env.dir / "train.jsonl")
     env.write_config()
     return env
 

@@ -702,3 +702,31 @@ def test_two_worker_processes_write_the_same_bytes_as_one(verifier_record, tmp_p
             assert info["workers"] == 2 and info["chunks"] == 4 and info["chunks_reused"] == 0
             assert info["dtype"] == "float32"  # regenerate.dtype auto on a CPU, as each worker
     assert outputs[1] == outputs[2] and outputs[1].count(b"\n") == 12
+
+
+def test_regeneration_with_extra_train_files_feeds_prepare_every_files_conversations(
+    verifier_dir, tmp_path
+):
+    """A workflow run (hf backend, CPU) with data.extra_train: regenerate takes at most each
+    file's max_samples, in order; prepare reads the regenerated file without cutting it to
+    data.train's max_samples again."""
+    from conftest import job_counts, run_snakemake
+
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(4, seed=4))
+    extra = tiny.write_jsonl(tmp_path / "extra.jsonl", tiny.conversations(4, seed=6))
+    evals = tiny.write_jsonl(tmp_path / "eval.jsonl", [{"question_id": 0, "turns": ["Hi?"]}])
+    data = {
+        "train": {"path": str(train), "max_samples": 2},
+        "extra_train": [{"path": str(extra), "max_samples": 2}],
+    }
+    config = tiny.write_config(
+        tmp_path / "config.yaml", "t", verifier_dir, train, evals, data=data,
+        regenerate={"enabled": True, "max_new_tokens": 4, "chunk_size": 2},
+    )  # fmt: skip
+    proc = run_snakemake(tmp_path, config, "results/t/prepared/samples.safetensors")
+    assert job_counts(proc.stdout + proc.stderr)["regenerate"] == 1
+    results = tmp_path / "results" / "t"
+    info = json.loads((results / "regenerated" / "regenerate.json").read_text())
+    assert info["conversations_in"] == 4 and info["source"] == ["train.jsonl", "extra.jsonl"]
+    prepared = json.loads((results / "prepared" / "samples.json").read_text())
+    assert prepared["ids"] == ["c0", "c1", "extra_train[0]:c0", "extra_train[0]:c1"]

@@ -166,6 +166,13 @@ def test_eval_overlap_is_published_per_eval_set_name():
     assert report_text.overlap_row(deduped)[1] == (
         "| training conversations dropped as repeating a first prompt (dedupe) | 875 |"
     )
+    assert report_text.sources_row(data) == []  # one training file
+    sources = [{"path": "train.jsonl", "records_read": 31, "samples": 30},
+               {"path": "extra.jsonl", "records_read": 4, "samples": 4}]  # fmt: skip
+    assert report_text.sources_row({**data, "sources": sources}) == [
+        "| training samples per file (of the records read) | train.jsonl 30 of 31, "
+        "extra.jsonl 4 of 4 |"
+    ]
     broken = copy.deepcopy(prepare)
     broken["eval_overlap"]["dropped_per_eval_file"] = [0, 1, 2]
     with pytest.raises(ValueError, match="with 3 eval file.*ran 2 eval set"):

@@ -234,6 +234,36 @@ def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
     assert "Nothing to be done" in ws.run("-n")
 
 
+def test_extra_train_files_join_the_data_and_none_reruns_nothing(ws, tmp_path):
+    """data.extra_train: [] is how every run before the key was made (the rules' parameters
+    leave it out); a file reruns prepare and what follows, and prepare reads it after
+    data.train's file (a real run of prepare, in another folder)."""
+    record = ws.results / "prepared" / "provenance-prepare.json"
+    dated = record.stat().st_mtime_ns
+    extra = tiny.write_jsonl(tmp_path / "extra.jsonl", tiny.conversations(6, seed=9))
+    ws.write(data={"extra_train": []})
+    none = ws.run("-n")
+    ws.write(data={"extra_train": [{"path": str(extra), "max_samples": 4}]})
+    one = ws.run("-n")
+    config = tmp_path / "config.yaml"
+    config.write_text(ws.config.read_text())
+    ws.overrides["data"].pop("extra_train")
+    ws.write()
+    assert "Nothing to be done" in none and job_counts(none) == {}, none
+    assert {"prepare", "extract", "train"} <= set(job_counts(one)), one
+    assert "verifier" not in job_counts(one), one
+    assert record.stat().st_mtime_ns == dated
+    assert "Nothing to be done" in ws.run("-n")
+
+    run_snakemake(tmp_path, config, "results/t/prepared/samples.safetensors")
+    info = json.loads((tmp_path / "results/t/prepared/samples.json").read_text())
+    assert info["sources"] == [
+        {"path": "train.jsonl", "records_read": 31, "samples": 30},  # the leak is dropped
+        {"path": "extra.jsonl", "records_read": 4, "samples": 4},
+    ]
+    assert info["ids"][-4:] == [f"extra_train[0]:c{i}" for i in range(4)]
+
+
 ARTIFACTS = (
     "hidden_states/shard-0.safetensors",
     "hidden_states/shard-1.safetensors",
