@@ -10,6 +10,7 @@ import gzip
 import json
 import re
 from collections.abc import Iterator, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,11 @@ def _open_text(path: Path) -> str:
         ) from None
 
 
-def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, record) from a JSONL file or a JSON array file."""
+def read_records(
+    path: Path, allow_truncated_json: bool = False, key: str = "data.train"
+) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, record) from a JSONL file or a JSON array file; ``key``: the config
+    entry of the file, whose allow_truncated_json an error names."""
     text = _open_text(path)
     stripped = text.lstrip()
     if not stripped:
@@ -73,7 +77,7 @@ def read_records(path: Path, allow_truncated_json: bool = False) -> Iterator[tup
     if ".jsonl" in path.suffixes or not stripped.startswith("["):
         yield from _jsonl_records(path, text)
     else:
-        yield from _json_array_records(path, text, allow_truncated_json)
+        yield from _json_array_records(path, text, allow_truncated_json, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,7 @@ class TrainSource:
     allow_truncated_json: bool = False
     max_samples: int | None = None  # of this file (prepare: samples; regenerate: conversations)
     id_prefix: str = ""  # before its records' ids: "" for data.train, "extra_train[k]:" else
+    key: str = "data.train"  # its config entry: "data.train" or "data.extra_train[k]"
 
 
 def train_sources(paths: Sequence[Path], data: dict[str, Any]) -> list[TrainSource]:
@@ -101,9 +106,22 @@ def train_sources(paths: Sequence[Path], data: dict[str, Any]) -> list[TrainSour
             bool(o.get("allow_truncated_json", False)),
             o.get("max_samples"),
             "" if k == 0 else f"extra_train[{k - 1}]:",
+            "data.train" if k == 0 else f"data.extra_train[{k - 1}]",
         )
         for k, (path, o) in enumerate(zip(paths, options, strict=True))
     ]
+
+
+def spread(lists: Sequence[Sequence[Any]]) -> list[Any]:
+    """The items of ``lists`` spread evenly among each other, each list keeping its order
+    (item i of a list of n at (2i + 1) / 2n, ties in list order), so that the last items,
+    which validation holds out, hold every list in proportion."""
+    keyed = [
+        (Fraction(2 * i + 1, 2 * len(items)), k, i)
+        for k, items in enumerate(lists)
+        for i in range(len(items))
+    ]
+    return [lists[k][i] for _, k, i in sorted(keyed)]
 
 
 def write_gzipped_jsonl(path: Path, records: list[Any]) -> None:
@@ -158,7 +176,7 @@ _SPACE = re.compile(r"\s*")
 
 
 def _json_array_records(
-    path: Path, text: str, allow_truncated_json: bool
+    path: Path, text: str, allow_truncated_json: bool, key: str = "data.train"
 ) -> Iterator[tuple[int, Any]]:
     """The items of a JSON array one by one, so that a file cut off mid-record keeps the
     records before the cut (with ``allow_truncated_json``)."""
@@ -173,7 +191,7 @@ def _json_array_records(
                 return
             raise UserError(
                 f"{path}:{line_of(len(text))}: JSON array is not closed (file truncated?); "
-                "repair it or set data.train.allow_truncated_json: true"
+                f"repair it or set {key}.allow_truncated_json: true"
             )
         if text[pos] == "]":
             return
@@ -197,20 +215,23 @@ def _json_array_records(
             cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.rstrip())
             if cut and allow_truncated_json:
                 return
-            raise _array_item_error(path, exc, cut, line_of(start if cut else exc.pos)) from None
+            line = line_of(start if cut else exc.pos)
+            raise _array_item_error(path, exc, cut, line, key) from None
         yield line_of(start), obj
 
 
-def _array_item_error(path: Path, exc: json.JSONDecodeError, cut: bool, line: int) -> UserError:
+def _array_item_error(
+    path: Path, exc: json.JSONDecodeError, cut: bool, line: int, key: str
+) -> UserError:
     if cut:
         return UserError(
             f"{path}:{line}: the file ends inside this record (truncated?); "
-            "repair it or set data.train.allow_truncated_json: true to keep the records "
+            f"repair it or set {key}.allow_truncated_json: true to keep the records "
             "before it"
         )
     return UserError(
         f"{path}:{line}: invalid JSON ({exc.msg}); fix the record or, "
-        "for a file cut off mid-record, set data.train.allow_truncated_json: true"
+        f"for a file cut off mid-record, set {key}.allow_truncated_json: true"
     )
 
 

@@ -28,6 +28,7 @@ from eagle3lib.conversations import (
     first_prompt_key,
     normalize_conversation,
     read_records,
+    spread,
 )
 from eagle3lib.errors import UserError, first_line
 from eagle3lib.leakage import EvalPromptIndex
@@ -191,6 +192,12 @@ def prepare_samples(
                 "samples": len(out.ids) - samples_before,
             }
         )
+    if len(sources) > 1:  # the files' samples spread evenly among each other
+        starts = list(itertools.accumulate([0] + [s["samples"] for s in per_source]))
+        order = spread([range(a, b) for a, b in itertools.pairwise(starts)])
+        out.ids = [out.ids[i] for i in order]
+        out.input_ids = [out.input_ids[i] for i in order]
+        out.loss_masks = [out.loss_masks[i] for i in order]
     out.summary = _summary(out, counts, held_out)
     if len(sources) > 1:  # one file's summary stays as it was
         out.summary["sources"] = per_source
@@ -211,7 +218,7 @@ def _prepare_source(
     """prepare_samples for one file: its samples added to ``out``, at most its max_samples."""
     held_out, stop_at, workers = how
     path, samples_before = source.path, len(out.ids)
-    records = read_records(path, source.allow_truncated_json)
+    records = read_records(path, source.allow_truncated_json, source.key)
     for lineno, record, outcome in _outcomes(records, (tokenizer, held_out, stop_at), workers):
         room = (
             None

@@ -29,6 +29,7 @@ from eagle3lib.conversations import (
     first_prompt_key,
     normalize_conversation,
     read_records,
+    spread,
 )
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
@@ -66,15 +67,18 @@ def read_conversations(
     log=None,
     *,
     seen: set[str] | None = None,
-    id_prefix: str = "",
+    source: TrainSource | None = None,
 ) -> list[dict[str, Any]]:
     """The first ``limit`` usable conversations with at least one user turn; with ``dedupe``,
     none whose first prompt repeats an earlier one's (conversations.first_prompt_key; also
-    one in ``seen``, which is updated: several files). ``id_prefix`` goes before the ids."""
+    one in ``seen``, which is updated). With ``source`` (one of several files): its id prefix
+    before the ids, its config key in errors, its name in the log, and no error when no
+    conversation is left (read_sources checks all files together)."""
     out = []
     seen = set() if seen is None else seen
     repeats = 0
-    for lineno, record in read_records(path, allow_truncated):
+    key = source.key if source else "data.train"
+    for lineno, record in read_records(path, allow_truncated, key):
         if limit is not None and len(out) >= limit:
             break
         try:
@@ -95,10 +99,14 @@ def read_conversations(
                 continue
             seen.add(key)
         rid = str(record.get("id", lineno)) if isinstance(record, dict) else str(lineno)
-        out.append({"id": id_prefix + rid, "turns": turns})
+        out.append({"id": (source.id_prefix if source else "") + rid, "turns": turns})
     if dedupe and log is not None:
-        log(f"regenerate: {repeats} conversation(s) skipped: first prompt repeats an earlier one")
-    if not out:
+        where = f" ({path.name})" if source else ""
+        log(
+            f"regenerate: {repeats} conversation(s){where} skipped: first prompt repeats an "
+            "earlier one"
+        )
+    if not out and source is None:
         raise UserError(f"{path}: no conversation with a user turn to regenerate")
     return out
 
@@ -106,16 +114,25 @@ def read_conversations(
 def read_sources(
     sources: list[TrainSource], on_invalid: str, dedupe: bool = False, log=None
 ) -> list[dict[str, Any]]:
-    """read_conversations of each file (data.train's, then data.extra_train's), in order, each
-    at most its max_samples; with ``dedupe`` no first prompt repeats one of any file before."""
+    """read_conversations of each file (data.train's, then data.extra_train's), read in
+    order, each at most its max_samples (with ``dedupe`` no first prompt repeats one of any
+    file read before), then spread evenly among each other (conversations.spread)."""
+    if len(sources) == 1:
+        s = sources[0]
+        return read_conversations(s.path, s.max_samples, s.allow_truncated_json, on_invalid,
+                                  dedupe, log)  # fmt: skip
     seen: set[str] = set()
-    out = []
-    for s in sources:
-        out += read_conversations(
+    each = [
+        read_conversations(
             s.path, s.max_samples, s.allow_truncated_json, on_invalid, dedupe, log,
-            seen=seen, id_prefix=s.id_prefix,
-        )  # fmt: skip
-    return out
+            seen=seen, source=s,
+        )
+        for s in sources
+    ]  # fmt: skip
+    if not any(each):
+        names = ", ".join(str(s.path) for s in sources)
+        raise UserError(f"{names}: no conversation with a user turn to regenerate")
+    return spread(each)
 
 
 def answer_text(tokenizer, ids: list[int]) -> str:
@@ -566,11 +583,7 @@ def synthesizer(make_sampler, tokenizer, cfg: RegenerateConfig, log=print):
 def interleave(conversations: list, synthetic: list) -> list:
     """``synthetic`` spread evenly among ``conversations``, each keeping its order, so that
     the last samples (which validation holds out) hold both kinds in proportion."""
-    n, m = len(conversations), len(synthetic)
-    keyed = [((2 * i + 1) * m, 0, i) for i in range(n)] + [
-        ((2 * j + 1) * n, 1, j) for j in range(m)
-    ]
-    return [(conversations, synthetic)[kind][i] for _, kind, i in sorted(keyed)]
+    return spread([conversations, synthetic])
 
 
 def synthetic_once(work_dir: Path, synthesize, log=print) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ def main() -> None:
     from eagle3lib.config import RegenerateConfig, from_dict
     from eagle3lib.conversations import train_sources
     from eagle3lib.data import check_chat_template, render_ids_batch
+    from eagle3lib.fileio import sha256_json
     from eagle3lib.verifier import load_tokenizer, read_record
 
     data = json.loads(a.data)
@@ -60,8 +61,9 @@ def main() -> None:
     record = read_record(a.verifier)
     tokenizer = load_tokenizer(record)
     check_chat_template(tokenizer, f"verifier {record['path']!r}")
+    sources = train_sources(a.train, data)
     conversations = rg.read_sources(
-        train_sources(a.train, data),
+        sources,
         data.get("on_invalid_record", "error"),
         data["train"].get("dedupe", False),
         log=rg.log_stderr,
@@ -75,7 +77,9 @@ def main() -> None:
 
     fingerprint = {"regenerate": section, "verifier": record["config_sha256"], "weights": record["weights"]["sha256"],
                    "data": data["train"], "max_length": data["max_length"],
-                   **({"extra_train": data["extra_train"]} if data.get("extra_train") else {})}  # fmt: skip
+                   **({"extra_train": data["extra_train"]} if data.get("extra_train") else {}),
+                   # what the files held: chunks of an edited file's conversations are redone
+                   "conversations": sha256_json(conversations)}  # fmt: skip
     worker = tuple(int(x) for x in a.worker.split("/")) if a.worker else None
     run = lambda generate, make_sampler=None: rg.regenerate(  # noqa: E731
         conversations, generate, render, decode, cfg, data["max_length"], a.work_dir, fingerprint, a.out,
@@ -90,9 +94,12 @@ def main() -> None:
         stats = with_hf(a, cfg, record, tokenizer, run)
         if worker is not None:
             return
-    names = [path.name for path in a.train]
-    source = names[0] if len(names) == 1 else names  # one file: as before
-    info = {**stats, "settings": section, "verifier": record["name"], "source": source}
+    info = {**stats, "settings": section, "verifier": record["name"], "source": a.train[0].name}
+    if len(sources) > 1:  # the conversations of each file
+        extras = [sum(c["id"].startswith(s.id_prefix) for c in conversations) for s in sources[1:]]
+        counts = [len(conversations) - sum(extras), *extras]
+        info["source"] = [{"path": s.path.name, "conversations": n}
+                          for s, n in zip(sources, counts, strict=True)]  # fmt: skip
     write_json(a.out_info, info)
     print(json.dumps(info, indent=2), file=sys.stdout)
     if a.provenance:

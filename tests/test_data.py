@@ -431,7 +431,9 @@ def test_extra_train_files_follow_data_trains_each_to_its_own_max_samples(
     tokenizer, tmp_path, workers
 ):
     """data.extra_train: each file read after the ones before it, at most its own max_samples,
-    its ids prefixed; dedupe across the files; a bad record named by its own file and line."""
+    its ids prefixed; dedupe across the files; the files' samples spread among each other (the
+    last ones, validation's, hold each file); a bad record named by its own file, line and
+    config key."""
     main = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.conversations(4, fmt="openai"))
     records = tiny.conversations(4, seed=5)  # ShareGPT: the formats mix
     copy = tiny.conversations(4, fmt="openai")[1]["messages"]  # data.train's second prompt
@@ -442,7 +444,7 @@ def test_extra_train_files_follow_data_trains_each_to_its_own_max_samples(
     assert [s.id_prefix for s in sources] == ["", "extra_train[0]:"]
     cfg = PrepareConfig(dedupe=True)
     both = data.prepare_samples(tokenizer, sources, cfg, workers=workers)
-    assert both.ids == ["c0", "c1", "c2", "extra_train[0]:c0", "extra_train[0]:c1",
+    assert both.ids == ["c0", "extra_train[0]:c0", "c1", "extra_train[0]:c1", "c2",
                         "extra_train[0]:c2"]  # fmt: skip
     assert both.summary["dropped"] == {"repeated_prompt": 1}  # the copy of c1's prompt
     assert both.summary["sources"] == [
@@ -450,8 +452,8 @@ def test_extra_train_files_follow_data_trains_each_to_its_own_max_samples(
         {"path": "extra.jsonl", "records_read": 4, "samples": 3},
     ]
     alone = data.prepare_samples(tokenizer, main, PrepareConfig(max_samples=3), workers=workers)
-    assert alone.ids == both.ids[:3] and "sources" not in alone.summary  # one file: as before
-    for a, b in zip(alone.input_ids, both.input_ids, strict=False):
+    assert alone.ids == both.ids[::2] and "sources" not in alone.summary  # one file: as before
+    for a, b in zip(alone.input_ids, both.input_ids[::2], strict=True):
         assert np.array_equal(a, b)
     records.insert(2, {"messages": [{"role": "user", "content": ""}]})
     tiny.write_jsonl(extra, records)
@@ -459,6 +461,10 @@ def test_extra_train_files_follow_data_trains_each_to_its_own_max_samples(
         data.prepare_samples(tokenizer, sources, cfg, workers=workers)
     with pytest.raises(UserError, match=r"2 training file\(s\) given for 1 in the data section"):
         conversations.train_sources([main, extra], {"train": {}})
+    (tmp_path / "cut.json").write_text('[{"messages": [{"role": "user", "content": "a"}')
+    cut = conversations.train_sources([main, tmp_path / "cut.json"], section)
+    with pytest.raises(UserError, match=r"cut\.json:1: .*data\.extra_train\[0\]\.allow_trunc"):
+        data.prepare_samples(tokenizer, cut, cfg, workers=workers)
 
 
 def test_regeneration_reads_extra_train_files_after_data_trains(tmp_path):
@@ -471,6 +477,19 @@ def test_regeneration_reads_extra_train_files_after_data_trains(tmp_path):
     section = {"train": {"max_samples": 2}, "extra_train": [{}]}
     sources = conversations.train_sources([main, extra], section)
     read = regenerate.read_sources(sources, "error", dedupe=True)
-    assert [c["id"] for c in read] == ["c0", "c1", "extra_train[0]:c0", "extra_train[0]:c1"]
+    assert [c["id"] for c in read] == ["c0", "extra_train[0]:c0", "c1", "extra_train[0]:c1"]
     every = regenerate.read_sources(sources, "error")
     assert [c["id"] for c in every][-1] == "extra_train[0]:3"  # no id: its line
+    # an extra file whose every prompt repeats data.train's: no error (prepare takes none of
+    # it either); none in any file is one
+    tiny.write_jsonl(extra, [{"messages": tiny.conversations(1, fmt="openai")[0]["messages"]}])
+    logged = []
+    assert len(regenerate.read_sources(sources, "error", True, log=logged.append)) == 2
+    assert "1 conversation(s) (extra.jsonl) skipped: first prompt repeats" in logged[-1]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    nothing = conversations.train_sources([main, tmp_path / "empty.jsonl"], section)
+    assert len(regenerate.read_sources(nothing, "error")) == 2  # an empty extra file
+    nothing = conversations.train_sources([tmp_path / "empty.jsonl", extra], section)
+    tiny.write_jsonl(extra, [{"messages": [{"role": "assistant", "content": "no user turn"}]}])
+    with pytest.raises(UserError, match=r"empty\.jsonl, .*extra\.jsonl: no conversation with"):
+        regenerate.read_sources(nothing, "error")

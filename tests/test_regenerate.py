@@ -727,6 +727,36 @@ def test_regeneration_with_extra_train_files_feeds_prepare_every_files_conversat
     assert job_counts(proc.stdout + proc.stderr)["regenerate"] == 1
     results = tmp_path / "results" / "t"
     info = json.loads((results / "regenerated" / "regenerate.json").read_text())
-    assert info["conversations_in"] == 4 and info["source"] == ["train.jsonl", "extra.jsonl"]
+    assert info["conversations_in"] == 4 and info["source"] == [
+        {"path": "train.jsonl", "conversations": 2},
+        {"path": "extra.jsonl", "conversations": 2},
+    ]
     prepared = json.loads((results / "prepared" / "samples.json").read_text())
-    assert prepared["ids"] == ["c0", "c1", "extra_train[0]:c0", "extra_train[0]:c1"]
+    assert prepared["ids"] == ["c0", "extra_train[0]:c0", "c1", "extra_train[0]:c1"]  # spread
+
+
+def test_an_edited_training_file_is_regenerated_not_answered_from_earlier_chunks(
+    verifier_record, tmp_path
+):
+    """The job keeps its chunks (an interrupted job resumes from them); their fingerprint holds
+    the conversations read, so after an edit of the file in place the rerun answers the new
+    prompts instead of reusing the old answers (tests/test_faults.py shows an unchanged rerun
+    reusing them)."""
+    from eagle3lib.fileio import write_json
+
+    records = tiny.conversations(2, seed=8)
+    convs = tiny.write_jsonl(tmp_path / "train.jsonl", records)
+    write_json(tmp_path / "verifier.json", verifier_record)
+    data = {"train": {"path": str(convs)}, "max_length": 256}
+    cmd = regenerate_command(tmp_path / "verifier.json", convs, data, {"max_new_tokens": 2},
+                             tmp_path)  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for attempt in range(2):
+        if attempt == 1:  # the file edited in place: a new first prompt
+            records[0]["conversations"][0]["value"] = "An edited question about trains"
+            tiny.write_jsonl(convs, records)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads((tmp_path / "info.json").read_text())["chunks_reused"] == 0, attempt
+    out = (tmp_path / "out.jsonl").read_text()
+    assert "An edited question about trains" in out

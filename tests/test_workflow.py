@@ -236,8 +236,8 @@ def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
 
 def test_extra_train_files_join_the_data_and_none_reruns_nothing(ws, tmp_path):
     """data.extra_train: [] is how every run before the key was made (the rules' parameters
-    leave it out); a file reruns prepare and what follows, and prepare reads it after
-    data.train's file (a real run of prepare, in another folder)."""
+    leave it out); a file reruns prepare and what follows, and prepare spreads its samples
+    among data.train's (a real run of prepare, in another folder)."""
     record = ws.results / "prepared" / "provenance-prepare.json"
     dated = record.stat().st_mtime_ns
     extra = tiny.write_jsonl(tmp_path / "extra.jsonl", tiny.conversations(6, seed=9))
@@ -261,7 +261,9 @@ def test_extra_train_files_join_the_data_and_none_reruns_nothing(ws, tmp_path):
         {"path": "train.jsonl", "records_read": 31, "samples": 30},  # the leak is dropped
         {"path": "extra.jsonl", "records_read": 4, "samples": 4},
     ]
-    assert info["ids"][-4:] == [f"extra_train[0]:c{i}" for i in range(4)]
+    extras = [i for i in info["ids"] if i.startswith("extra_train[0]:")]
+    assert extras == [f"extra_train[0]:c{i}" for i in range(4)]
+    assert info["ids"].index("extra_train[0]:c3") == 29  # spread: at 7/8 of the 34 samples
 
 
 ARTIFACTS = (
