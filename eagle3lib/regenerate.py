@@ -77,8 +77,8 @@ def read_conversations(
     out = []
     seen = set() if seen is None else seen
     repeats = 0
-    key = source.key if source else "data.train"
-    for lineno, record in read_records(path, allow_truncated, key):
+    config_key = source.key if source else "data.train"
+    for lineno, record in read_records(path, allow_truncated, config_key):
         if limit is not None and len(out) >= limit:
             break
         try:
