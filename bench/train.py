@@ -46,8 +46,9 @@ Real (non-padding) tokens per second are timed between steps --warmup and --step
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
 window (ours only). The summary pairs the i-th runs of: ours and speculators' trainer at its
 best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
-that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours;
-per comparison every pair's ratio, the min and the median.
+that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
+ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
+pair's ratio, the min and the median.
 It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
 speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd),
 muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
@@ -57,7 +58,9 @@ bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 202
 ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
-SAME_TRAINING_BF16_RTOL); under torchrun with --baseline, scaling_efficiency per variant.
+SAME_TRAINING_BF16_RTOL); cuda_graphs.speedup and cpp_wrapper.speedup (min), with --log-every
+their .max_loss_relative_difference, and the CUDA graphs runs' regions run without graphs;
+under torchrun with --baseline, scaling_efficiency per variant.
 Writes bench_train.json (bench_train_ddp2.json) to --out, and after every run
 bench_train.partial-<rank>.json (what a call cut short keeps). Each run's wall time is in the
 table.

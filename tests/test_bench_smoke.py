@@ -65,6 +65,9 @@ def test_train_kernel_launch_experiments_run_and_log_the_same_losses_on_a_cpu(tm
     assert "train.cpu.cuda_graphs.speedup.max_loss_relative_difference = 0.00000" in out
     assert "train.cpu.cpp_wrapper.speedup.max_loss_relative_difference = 0.00000" in out
     assert "ours_muon_ffd_cg: compiled regions without CUDA graphs per run: [0]" in out
+    results = json.loads((tmp_path / "bench_train.json").read_text())["results"]
+    curves = [r["loss_curve"]["train_loss"] for r in results]
+    assert len(curves[0]) >= 5 and curves[0] == curves[1] == curves[2]
 
 
 def test_train_refuses_a_timed_window_past_the_epoch(tmp_path):

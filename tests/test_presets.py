@@ -277,6 +277,9 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
     results = tmp_path / "results" / "smollm2-cpu-slice"
     regenerated = json.loads((results / "regenerated" / "regenerate.json").read_text())
     assert regenerated["conversations_in"] == 6 and regenerated["chunks"] == 2
+    # data.extra_train empty: regenerate's parameters and stamp never name it (earlier runs
+    # stay current)
+    assert "extra_train" not in (results / "regenerated" / "provenance-regenerate.json").read_text()
     acceptance = json.loads((results / "reports" / "acceptance.json").read_text())
     assert acceptance["method"] == "replay" and acceptance["eval_set"] == "mtbench"
     assert [(r["eval_set"], r["k"], r["prompts"]) for r in acceptance["results"]] == [

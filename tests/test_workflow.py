@@ -240,6 +240,8 @@ def test_extra_train_files_join_the_data_and_none_reruns_nothing(ws, tmp_path):
     among data.train's (a real run of prepare, in another folder)."""
     record = ws.results / "prepared" / "provenance-prepare.json"
     dated = record.stat().st_mtime_ns
+    # what runs before the key recorded: prepare's parameters and stamp never name it
+    assert "extra_train" not in record.read_text()
     extra = tiny.write_jsonl(tmp_path / "extra.jsonl", tiny.conversations(6, seed=9))
     ws.write(data={"extra_train": []})
     none = ws.run("-n")
