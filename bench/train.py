@@ -600,7 +600,7 @@ def run_variant(
     if state.exists() and os.environ.get("RANK", "0") == "0":  # other ranks wait in train()
         shutil.rmtree(state)
     started, graphs_before = time.perf_counter(), compiled_graphs()
-    skips_before = inductor_counter("cudagraph_skips")
+    skips_before = compile_counter("inductor", "cudagraph_skips")
     try:
         with compiled_newton_schulz(v.compiled_ns), inductor_settings(v):
             stats = train.train(
@@ -668,7 +668,7 @@ def run_variant(
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
         "graphs_compiled": compiled_graphs() - graphs_before,
         # compiled regions that ran without CUDA graphs (inductor logs each one's reason)
-        "cudagraph_skips": inductor_counter("cudagraph_skips") - skips_before
+        "cudagraph_skips": compile_counter("inductor", "cudagraph_skips") - skips_before
         if v.cuda_graphs
         else None,
         "attention": stats["attention"],
@@ -712,16 +712,6 @@ def graph_steps(clock):
     return after_step
 
 
-def inductor_counter(name: str) -> int:
-    """One of torch.compile's inductor counters in this process so far (reporting only)."""
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["inductor"][name])
-    except Exception:  # noqa: BLE001 - an internal counter, reporting only
-        return 0
-
-
 @contextlib.contextmanager
 def compiled_newton_schulz(on: bool, backend: str = "inductor"):
     """Inside the block (if ``on``), torch's Muon calls its Newton-Schulz function under
@@ -739,14 +729,19 @@ def compiled_newton_schulz(on: bool, backend: str = "inductor"):
         _muon._zeropower_via_newtonschulz = eager  # noqa: SLF001
 
 
-def compiled_graphs() -> int:
-    """Graphs torch.compile has built in this process so far (a recompiling run shows)."""
+def compile_counter(group: str, name: str) -> int:
+    """One of torch.compile's counters in this process so far (reporting only)."""
     try:
         from torch._dynamo.utils import counters
 
-        return int(counters["stats"]["unique_graphs"])
+        return int(counters[group][name])
     except Exception:  # noqa: BLE001 - an internal counter, reporting only
         return 0
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (a recompiling run shows)."""
+    return compile_counter("stats", "unique_graphs")
 
 
 def pairs(results: list[dict], a: str, b: str) -> list[float]:
