@@ -311,18 +311,35 @@ def start(argv: Sequence[str], env: dict[str, str], log: Path | None, echo: str 
 
 def wait(proc: subprocess.Popen, pumping: threading.Thread | None) -> int:
     """The job's exit status; SIGTERM (how snakemake and schedulers stop jobs) or any other
-    exception stops its whole group first."""
+    exception stops its whole group first.
+
+    The wait polls rather than block in waitpid: the kernel hands a signal sent to this
+    process to any one of its threads, and when the output thread takes SIGTERM, Python runs
+    the handler on the main thread only once that thread runs Python again. A blocked
+    waitpid would wait for the job instead of stopping it (a preempted multi-node training
+    job hung so). While the group is being stopped, another SIGTERM (srun passes one on,
+    the parent's death sends one) is ignored, so that it cannot cut the stop short of its
+    SIGKILL."""
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        rc = proc.wait()
-        if pumping:
-            pumping.join()
-        return rc
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return proc.wait(timeout=0.5)
     except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
+        end_output(pumping)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def end_output(pumping: threading.Thread | None, grace: float = 10.0) -> None:
+    """Let the output thread copy what the ended job wrote. Called once the job's group is
+    gone: a process it left running holds the output pipe open, so the copy ends only with
+    it; one that left the group (its own session) is given ``grace`` seconds."""
+    if pumping:
+        pumping.join(grace)
 
 
 def run(
@@ -360,6 +377,7 @@ def run(
             after = nvml_snapshot(devices or None)
         if stragglers:
             stop_group(proc.pid)
+        end_output(pumping)
     if rc != 0:
         return rc
     write_json(
@@ -422,6 +440,7 @@ def run_over_nodes(
     stragglers = group_alive(proc.pid)
     if stragglers:
         stop_group(proc.pid)
+    end_output(pumping)
     if rc != 0:
         return rc
     missing = [str(p) for p in parts if not p.exists()]

@@ -1,11 +1,13 @@
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import alive, wait_until
 
 from eagle3lib import gpu
 
@@ -55,9 +57,11 @@ def test_reading_after_a_job_waits_for_the_driver_to_free_memory(monkeypatch):
     assert after == reading(9000.0) and 0.2 <= time.monotonic() - t0 < 2  # a real leak stays
 
 
-def run_job(tmp_path, name, pool, gpus, command, share=1):
-    """A gpu_job wrapper process over a fake device pool (CUDA_VISIBLE_DEVICES)."""
+def run_job(tmp_path, name, pool, gpus, command, share=1, log=False):
+    """A gpu_job wrapper process over a fake device pool (CUDA_VISIBLE_DEVICES); with ``log``
+    the job's output goes to ``<name>.log`` (copied by the wrapper's output thread)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": pool, "PYTHONPATH": str(ROOT)}
+    logging = ["--log", str(tmp_path / f"{name}.log")] if log else []
     return subprocess.Popen(
         [
             sys.executable,
@@ -72,6 +76,7 @@ def run_job(tmp_path, name, pool, gpus, command, share=1):
             str(tmp_path / f"{name}.json"),
             "--lock-dir",
             str(tmp_path / "locks"),
+            *logging,
             "--",
             *command,
         ],
@@ -258,10 +263,13 @@ def test_cpu_job_sees_no_gpu_and_failure_writes_no_record(tmp_path):
     assert not (tmp_path / "fails.json").exists()
 
 
-def test_job_that_leaves_a_process_behind_is_recorded_and_stopped(tmp_path):
+@pytest.mark.parametrize("log", [False, True], ids=["output-inherited", "output-to-log"])
+def test_job_that_leaves_a_process_behind_is_recorded_and_stopped(tmp_path, log):
+    """The process left behind holds the job's output: with a log, the wrapper's copy of it
+    must not wait for that process's end (60 s) before stopping it."""
     pidfile = tmp_path / "pid"
     child = f"import subprocess, sys; p = subprocess.Popen(['sleep', '60']); open({str(pidfile)!r}, 'w').write(str(p.pid))"
-    p = run_job(tmp_path, "leaky", "0", 1, [sys.executable, "-c", child])
+    p = run_job(tmp_path, "leaky", "0", 1, [sys.executable, "-c", child], log=log)
     assert p.wait(timeout=30) == 0
     record = json.loads((tmp_path / "leaky.json").read_text())
     assert record["stray_processes"] is True
@@ -288,3 +296,45 @@ def test_job_output_goes_to_its_log_and_matching_lines_to_the_terminal(tmp_path,
     assert "loading\n" in log and "train: step 3/9" in log and "oops\n" in log
     err = capfd.readouterr().err
     assert err.splitlines() == ["train: step 3/9, 12 tokens/s"]
+
+
+def threads_of(pid: int) -> list[int]:
+    return sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_taken_by_the_wrappers_output_thread_still_stops_the_job(tmp_path):
+    """A signal sent to a process goes to any one of its threads: when the job's output
+    thread takes SIGTERM (here sent to that thread alone, tgkill), the wrapper must still stop
+    the job and exit. It once waited for the job instead, its main thread blocked in waitpid:
+    the intermittent hang of a preempted multi-node training job. The job here ignores
+    SIGTERM (as a process blocked in a collective does for a while), and a second SIGTERM
+    reaches the wrapper while it stops the job: the stop still ends in SIGKILL, 30 s on."""
+    import ctypes
+
+    job = [
+        sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('started', flush=True); time.sleep(120)",
+    ]  # fmt: skip
+    p = run_job(tmp_path, "stopped", "0", 0, job, log=True)
+    try:
+        log = tmp_path / "stopped.log"
+        assert wait_until(lambda: log.exists() and "started" in log.read_text(), 30)
+        helpers = [t for t in threads_of(p.pid) if t != p.pid]
+        assert len(helpers) == 1, helpers  # the output thread
+        children = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+        (job_pid,) = map(int, children)
+        t0 = time.monotonic()
+        assert ctypes.CDLL(None).tgkill(p.pid, helpers[0], signal.SIGTERM) == 0
+        time.sleep(1)
+        os.kill(p.pid, signal.SIGTERM)  # the second one
+        time.sleep(1)
+        assert p.poll() is None and alive(job_pid), "the stop was cut short"
+        assert p.wait(timeout=45) == 128 + signal.SIGTERM
+        assert 29 < time.monotonic() - t0 < 45  # the grace, then SIGKILL
+        assert wait_until(lambda: not alive(job_pid), 10), "the job outlived its wrapper"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
