@@ -47,7 +47,7 @@ from typing import Any
 from eagle3lib import multinode
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, write_json
-from eagle3lib.lifetime import child_dies_with_me
+from eagle3lib.lifetime import child_dies_with_me, sigterm_deferred
 
 # Memory a finished job may leave on a device before validation calls it a leak.
 LEAK_THRESHOLD_MIB = 256
@@ -317,18 +317,17 @@ def wait(proc: subprocess.Popen, pumping: threading.Thread | None) -> int:
     process to any one of its threads, and when the output thread takes SIGTERM, Python runs
     the handler on the main thread only once that thread runs Python again. A blocked
     waitpid would wait for the job instead of stopping it (a preempted multi-node training
-    job hung so). While the group is being stopped, another SIGTERM (srun passes one on,
-    the parent's death sends one) is ignored, so that it cannot cut the stop short of its
-    SIGKILL."""
+    job hung so). Another SIGTERM while the group is being stopped (srun passes one on, the
+    parent's death sends one) waits for the stop to end."""
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 return proc.wait(timeout=0.5)
     except BaseException:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
-        end_output(pumping)
+        with sigterm_deferred():
+            stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
+            end_output(pumping)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -6,6 +6,10 @@
   script asks for the signal when it starts (``scripts/_bootstrap.py``), the GPU lease wrapper
   asks it for the command it runs, and it survives the ``exec`` into torchrun. A job therefore
   ends with the snakemake process that started it, and each process below it with its parent.
+- ``sigterm_deferred``: while a job stops what it started (a process group, a server), a
+  further SIGTERM waits until the stop is done, so that it cannot cut the stop short of its
+  SIGKILL. A job stopped by SLURM or snakemake gets several: one sent to every process, one
+  from the wrapper stopping its group, one when its parent dies.
 - ``hold_folders``: the job takes an exclusive ``flock`` per artifact folder it writes (the
   lock file holds its PID and host; see ``lock_path``) for the life of its process (the lock's
   descriptor is inherited across ``exec``); a second writer of the same job's artifacts stops
@@ -26,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -57,6 +62,24 @@ def child_dies_with_me():
             os._exit(128 + signal.SIGTERM)
 
     return preexec
+
+
+@contextlib.contextmanager
+def sigterm_deferred():
+    """Hold SIGTERM back for the block: one that arrives meanwhile is delivered (to the handler
+    that was there before) once the block ends. Only the main thread handles signals; in
+    another thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if arrived:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def lock_path(folder: Path, job: str) -> Path:

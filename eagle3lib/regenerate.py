@@ -34,6 +34,7 @@ from eagle3lib.conversations import (
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
+from eagle3lib.lifetime import sigterm_deferred
 
 Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
 
@@ -716,14 +717,15 @@ def run_workers(argv: list[str], visible: str | None, workers: int, log=print) -
                         failed = proc.returncode
             time.sleep(0.2)
     finally:  # a failed worker, or this process stopped: no worker outlives it
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        with sigterm_deferred():
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     if failed is not None:
         raise UserError(f"regenerate: a worker failed (exit status {failed}); its log is above")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.errors import UserError
-from eagle3lib.lifetime import child_dies_with_me
+from eagle3lib.lifetime import child_dies_with_me, sigterm_deferred
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,6 +157,10 @@ class VllmServer:
         self._stop()
 
     def _stop(self) -> None:
+        with sigterm_deferred():  # a second SIGTERM must not leave the server running
+            self._stop_server()
+
+    def _stop_server(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             # the API server stops its engine process itself; the group is killed after
             with contextlib.suppress(ProcessLookupError):

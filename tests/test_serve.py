@@ -64,3 +64,38 @@ def test_the_server_is_asked_to_drain_its_engine_on_sigterm(tmp_path):
     at = command.index("--shutdown-timeout")
     assert int(command[at + 1]) == serve.SHUTDOWN_TIMEOUT_S > 0
     assert command[-1] == "--x"
+
+
+def test_a_second_sigterm_waits_for_the_server_to_stop(tmp_path):
+    """SIGTERM reaches the job while it stops the server (SLURM signals every process, the
+    GPU wrapper its group): the stop still ends (the server's SIGTERM handling takes 1.5 s
+    here), and the job's own SIGTERM handling runs after it."""
+    import signal
+    import threading
+
+    server = serve.VllmServer(sys.executable, "model", [], tmp_path / "log", dict(os.environ))
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    server.proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert server.proc.stdout.readline() == b"ready\n"
+
+    def terminate(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(SystemExit) as stopped:
+            server._stop()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert server.proc.returncode == 0  # it stopped as asked, not cut short by the signal
