@@ -47,7 +47,7 @@ from typing import Any
 from eagle3lib import multinode
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, write_json
-from eagle3lib.lifetime import child_dies_with_me, sigterm_deferred
+from eagle3lib.lifetime import child_dies_with_me, signals_deferred
 
 # Memory a finished job may leave on a device before validation calls it a leak.
 LEAK_THRESHOLD_MIB = 256
@@ -251,6 +251,7 @@ def settled_snapshot(
 
 
 def _raise_exit(signum, _frame):
+    signal.signal(signum, signal.SIG_IGN)  # another one must not cut short the stop it starts
     raise SystemExit(128 + signum)
 
 
@@ -317,15 +318,15 @@ def wait(proc: subprocess.Popen, pumping: threading.Thread | None) -> int:
     process to any one of its threads, and when the output thread takes SIGTERM, Python runs
     the handler on the main thread only once that thread runs Python again. A blocked
     waitpid would wait for the job instead of stopping it (a preempted multi-node training
-    job hung so). Another SIGTERM while the group is being stopped (srun passes one on, the
-    parent's death sends one) waits for the stop to end."""
+    job hung so). Another SIGTERM or SIGINT while the group is being stopped (srun passes
+    one on, the parent's death sends one) waits for the stop to end."""
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         while True:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 return proc.wait(timeout=0.5)
     except BaseException:
-        with sigterm_deferred():
+        with signals_deferred():
             stop_group(proc.pid, leader=proc)  # the lease is released once the job is gone
             end_output(pumping)
         raise
@@ -369,14 +370,15 @@ def run(
         rc = wait(proc, pumping)
         # Anything the job started and left running (a server, a worker) holds memory:
         # record it, read NVML while it still runs, then stop it before the lease ends.
-        stragglers = group_alive(proc.pid)
-        if gpus and share == 1:
-            after = settled_snapshot(devices, before)
-        else:  # (a shared device's memory moves with the other job: no leak verdict to wait for)
-            after = nvml_snapshot(devices or None)
-        if stragglers:
-            stop_group(proc.pid)
-        end_output(pumping)
+        with signals_deferred():
+            stragglers = group_alive(proc.pid)
+            if gpus and share == 1:
+                after = settled_snapshot(devices, before)
+            else:  # (a shared device's memory moves with the other job: no leak verdict)
+                after = nvml_snapshot(devices or None)
+            if stragglers:
+                stop_group(proc.pid)
+            end_output(pumping)
     if rc != 0:
         return rc
     write_json(
@@ -436,10 +438,11 @@ def run_over_nodes(
     t0 = time.time()
     proc, pumping = start(multinode.srun_argv(nodes, gpus, cpus, per_node), env, log, echo)
     rc = wait(proc, pumping)
-    stragglers = group_alive(proc.pid)
-    if stragglers:
-        stop_group(proc.pid)
-    end_output(pumping)
+    with signals_deferred():
+        stragglers = group_alive(proc.pid)
+        if stragglers:
+            stop_group(proc.pid)
+        end_output(pumping)
     if rc != 0:
         return rc
     missing = [str(p) for p in parts if not p.exists()]

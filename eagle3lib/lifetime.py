@@ -6,10 +6,12 @@
   script asks for the signal when it starts (``scripts/_bootstrap.py``), the GPU lease wrapper
   asks it for the command it runs, and it survives the ``exec`` into torchrun. A job therefore
   ends with the snakemake process that started it, and each process below it with its parent.
-- ``sigterm_deferred``: while a job stops what it started (a process group, a server), a
-  further SIGTERM waits until the stop is done, so that it cannot cut the stop short of its
-  SIGKILL. A job stopped by SLURM or snakemake gets several: one sent to every process, one
-  from the wrapper stopping its group, one when its parent dies.
+  A torchrun worker asks for SIGKILL instead (``parent_death_signal``).
+- ``signals_deferred``: while a job stops what it started (a process group, a server), a
+  further SIGTERM or SIGINT waits until the stop is done, so that it cannot cut the stop
+  short of its SIGKILL. A job stopped by SLURM or snakemake gets several: one sent to every
+  process, one from the wrapper stopping its group, one when its parent dies; a user
+  presses Ctrl-C twice.
 - ``hold_folders``: the job takes an exclusive ``flock`` per artifact folder it writes (the
   lock file holds its PID and host; see ``lock_path``) for the life of its process (the lock's
   descriptor is inherited across ``exec``); a second writer of the same job's artifacts stops
@@ -31,7 +33,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from eagle3lib.errors import UserError
@@ -51,6 +53,16 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> boo
     return ppid == parent if parent is not None else ppid != 1
 
 
+def parent_death_signal(env: Mapping[str, str] = os.environ) -> int:
+    """The signal a job's process asks for when its parent dies: SIGKILL for a torchrun
+    worker (torchrun sets ``TORCHELASTIC_RUN_ID``), SIGTERM for any other. torchrun passes a
+    SIGTERM on to its workers itself and SIGKILLs them after its shutdown timeout (30 s), but
+    its workers run in sessions of their own, out of reach of the GPU wrapper's group stop,
+    whose SIGKILL (also after 30 s) may end torchrun first. A worker that could not act on
+    SIGTERM (blocked in a collective) would then hold its GPU past the lease."""
+    return signal.SIGKILL if "TORCHELASTIC_RUN_ID" in env else signal.SIGTERM
+
+
 def child_dies_with_me():
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when this process
     dies, and exits at once if it already has. Start the child from the main thread: the
@@ -64,22 +76,29 @@ def child_dies_with_me():
     return preexec
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def sigterm_deferred():
-    """Hold SIGTERM back for the block: one that arrives meanwhile is delivered (to the handler
-    that was there before) once the block ends. Only the main thread handles signals; in
-    another thread this does nothing."""
+def signals_deferred():
+    """Hold SIGTERM and SIGINT back for the block: one that arrives meanwhile is delivered (to
+    the handler that was there before) once the block ends. Only the main thread handles
+    signals; in another thread this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: arrived.append(signum))
+    arrived: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, _frame: arrived.append(signum)) for s in STOP_SIGNALS
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if arrived:
-            signal.raise_signal(signal.SIGTERM)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: installed outside Python, left as it is
+                signal.signal(sig, handler)
+        for sig in dict.fromkeys(arrived):
+            signal.raise_signal(sig)
 
 
 def lock_path(folder: Path, job: str) -> Path:

@@ -34,7 +34,7 @@ from eagle3lib.conversations import (
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import atomic_path, fingerprinted_dir, remove_stale_temps
-from eagle3lib.lifetime import sigterm_deferred
+from eagle3lib.lifetime import signals_deferred
 
 Generate = Callable[[list[list[int]]], list[list[int]]]  # prompts (token ids) -> new token ids
 
@@ -455,8 +455,16 @@ def in_parallel(one, concurrency: int) -> Generate:
     """A Generate that sends ``one((i, prompt))`` for every prompt, ``concurrency`` at a time."""
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(one, enumerate(prompts)))
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency)
+        try:
+            out = list(pool.map(one, enumerate(prompts)))
+        except BaseException:
+            # a failed request, or SIGTERM: the requests under way are not waited for (they
+            # end once the caller stops the server); the others are not sent
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return out
 
     return generate
 
@@ -717,7 +725,7 @@ def run_workers(argv: list[str], visible: str | None, workers: int, log=print) -
                         failed = proc.returncode
             time.sleep(0.2)
     finally:  # a failed worker, or this process stopped: no worker outlives it
-        with sigterm_deferred():
+        with signals_deferred():
             for proc in procs:
                 proc.terminate()
             for proc in procs:

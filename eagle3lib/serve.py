@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3lib.errors import UserError
-from eagle3lib.lifetime import child_dies_with_me, sigterm_deferred
+from eagle3lib.lifetime import child_dies_with_me, signals_deferred
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +157,7 @@ class VllmServer:
         self._stop()
 
     def _stop(self) -> None:
-        with sigterm_deferred():  # a second SIGTERM must not leave the server running
+        with signals_deferred():  # a second SIGTERM or Ctrl-C must not leave it running
             self._stop_server()
 
     def _stop_server(self) -> None:

@@ -100,11 +100,11 @@ def extract_samples_vllm(
             writer.put_batch([i], states[None], [lengths[i]])
         sha256 = writer.close(np.concatenate(samples), np.concatenate(masks))
     except BaseException:
+        # the requests under way are not waited for: they end once the caller stops the server
         pool.shutdown(wait=False, cancel_futures=True)
         writer.abort()
         raise
-    finally:
-        pool.shutdown(wait=True)
+    pool.shutdown()
     return writer_stats(writer, time.perf_counter() - t0, 0, sha256)
 
 

@@ -307,15 +307,19 @@ def test_sigterm_taken_by_the_wrappers_output_thread_still_stops_the_job(tmp_pat
     """A signal sent to a process goes to any one of its threads: when the job's output
     thread takes SIGTERM (here sent to that thread alone, tgkill), the wrapper must still stop
     the job and exit. It once waited for the job instead, its main thread blocked in waitpid:
-    the intermittent hang of a preempted multi-node training job. The job here ignores
-    SIGTERM (as a process blocked in a collective does for a while), and a second SIGTERM
-    reaches the wrapper while it stops the job: the stop still ends in SIGKILL, 30 s on."""
+    the intermittent hang of a preempted multi-node training job. The job here notes each
+    SIGTERM and carries on (as a process blocked in a collective does for a while); a second
+    SIGTERM then reaches the wrapper while it stops the job: the stop still ends in SIGKILL,
+    30 s on. A second SIGINT (Ctrl-C twice) is held back the same way."""
     import ctypes
 
+    noted = tmp_path / "sigterm"
     job = [
         sys.executable, "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "print('started', flush=True); time.sleep(120)",
+        "import signal, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: open({str(noted)!r}, 'a').write('x'))\n"
+        "print('started', flush=True)\n"
+        "while True: time.sleep(0.05)\n",
     ]  # fmt: skip
     p = run_job(tmp_path, "stopped", "0", 0, job, log=True)
     try:
@@ -327,11 +331,13 @@ def test_sigterm_taken_by_the_wrappers_output_thread_still_stops_the_job(tmp_pat
         (job_pid,) = map(int, children)
         t0 = time.monotonic()
         assert ctypes.CDLL(None).tgkill(p.pid, helpers[0], signal.SIGTERM) == 0
-        time.sleep(1)
+        assert wait_until(noted.exists, 5), "the wrapper did not pass SIGTERM on to the job"
         os.kill(p.pid, signal.SIGTERM)  # the second one
+        os.kill(p.pid, signal.SIGINT)
         time.sleep(1)
         assert p.poll() is None and alive(job_pid), "the stop was cut short"
-        assert p.wait(timeout=45) == 128 + signal.SIGTERM
+        # the Ctrl-C delivered once the stop is done: Python ends by SIGINT
+        assert p.wait(timeout=45) == -signal.SIGINT
         assert 29 < time.monotonic() - t0 < 45  # the grace, then SIGKILL
         assert wait_until(lambda: not alive(job_pid), 10), "the job outlived its wrapper"
     finally:

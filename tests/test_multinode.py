@@ -432,3 +432,38 @@ def test_two_node_job_through_the_slurm_executor_trains_one_nodes_bytes(
     assert summary["processes"] == 2 and summary["resumed"] is False
     record = json.loads((results / "gpu" / "train.json").read_text())
     assert record["hosts"] == ["127.0.0.1", "localhost"] and len(record["per_node"]) == 2
+
+
+@pytest.mark.slow
+def test_a_torchrun_worker_dies_with_its_torchrun_even_when_it_cannot_act_on_sigterm(
+    pipeline, tmp_path
+):
+    """torchrun's workers run in sessions of their own, beyond the GPU wrapper's group stop,
+    whose SIGKILL (after its 30 s grace) can end torchrun before torchrun's own SIGKILL of its
+    workers. A worker blocked in a collective cannot act on SIGTERM (here one is frozen with
+    SIGSTOP, the other waits for it in gloo): each asks for SIGKILL when torchrun dies, so
+    neither holds its GPU past the lease."""
+    cfg = replace(pipeline["train_cfg"], epochs=20)
+    out = tmp_path / "out.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(
+            [*train_command(pipeline, tmp_path, cfg), "--processes", "2"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    ranks: list[int] = []
+    try:
+        assert wait_until(lambda: "train: step" in out.read_text(), 300), out.read_text()[-2000:]
+        assert cmdline(proc.pid)[: len(TORCHRUN)] == TORCHRUN  # train.py became torchrun
+        ranks = [p for p in tree(proc.pid)[1:] if any("train.py" in a for a in cmdline(p))]
+        assert len(ranks) == 2 and {parent_of(r) for r in ranks} == {proc.pid}, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert wait_until(lambda: not [r for r in ranks if alive(r)], 10), [
+            cmdline(r) for r in ranks if alive(r)
+        ]
+    finally:
+        for pid in [proc.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()

@@ -760,3 +760,36 @@ def test_an_edited_training_file_is_regenerated_not_answered_from_earlier_chunks
         assert json.loads((tmp_path / "info.json").read_text())["chunks_reused"] == 0, attempt
     out = (tmp_path / "out.jsonl").read_text()
     assert "An edited question about trains" in out
+
+
+def test_a_failed_request_is_raised_without_waiting_for_those_under_way():
+    """regenerate's requests to a vLLM server, several at a time: when one fails (or SIGTERM
+    arrives), the error comes out at once, not after the requests under way, which end only
+    once the caller stops the server (a slow CPU server: minutes), and no further request is
+    sent."""
+    import threading
+    import time
+
+    from eagle3lib.regenerate import in_parallel
+
+    release, sent = threading.Event(), []
+
+    def one(item):
+        i, _prompt = item
+        sent.append(i)
+        if i == 0:
+            raise ConnectionError("the server went away")
+        release.wait(30)  # a request under way
+        return [i]
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConnectionError, match="went away"):
+            in_parallel(one, 2)([[1]] * 6)
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+    time.sleep(0.2)
+    # the three last never sent (the thread freed by the failure may have taken one more)
+    assert set(sent) <= {0, 1, 2}
+    assert in_parallel(lambda item: [item[0]], 3)([[1]] * 4) == [[0], [1], [2], [3]]
