@@ -185,3 +185,29 @@ def test_summary_compares_kernel_launch_experiments_with_the_default_recipe(benc
             bench.dataclasses.replace(other, cuda_graphs=False, cpp_wrapper=False)
             == (bench.VARIANTS["ours_muon_ffd"])
         )
+
+
+def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
+    """A CUDA graphs or C++ wrapper run that fails on the GPU (a setting that may not work
+    there) must not cost the call's other runs; any other variant's failure still ends it."""
+
+    def fails():
+        raise RuntimeError("CUDA graph capture failed\nmore detail")
+
+    failures = []
+    assert bench.run_or_note("ours_muon_ffd_cg", fails, failures) is None
+    assert bench.run_or_note("ours_muon_ffd_cppwrap", lambda: {"tokens_per_s": 1}, failures) == {
+        "tokens_per_s": 1
+    }
+    assert failures == [
+        {
+            "name": "ours_muon_ffd_cg",
+            "error": "RuntimeError: CUDA graph capture failed\nmore detail",
+        }
+    ]
+    with pytest.raises(RuntimeError, match="capture failed"):
+        bench.run_or_note("ours_muon_ffd", fails, failures)
+    assert [n for n, v in bench.VARIANTS.items() if v.experiment] == [
+        "ours_muon_ffd_cg",
+        "ours_muon_ffd_cppwrap",
+    ]
