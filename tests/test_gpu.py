@@ -57,9 +57,10 @@ def test_reading_after_a_job_waits_for_the_driver_to_free_memory(monkeypatch):
     assert after == reading(9000.0) and 0.2 <= time.monotonic() - t0 < 2  # a real leak stays
 
 
-def run_job(tmp_path, name, pool, gpus, command, share=1, log=False):
+def run_job(tmp_path, name, pool, gpus, command, share=1, log=False, sigint=None):
     """A gpu_job wrapper process over a fake device pool (CUDA_VISIBLE_DEVICES); with ``log``
-    the job's output goes to ``<name>.log`` (copied by the wrapper's output thread)."""
+    the job's output goes to ``<name>.log`` (copied by the wrapper's output thread); with
+    ``sigint`` the wrapper starts with that SIGINT disposition."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": pool, "PYTHONPATH": str(ROOT)}
     logging = ["--log", str(tmp_path / f"{name}.log")] if log else []
     return subprocess.Popen(
@@ -81,6 +82,7 @@ def run_job(tmp_path, name, pool, gpus, command, share=1, log=False):
             *command,
         ],
         env=env,
+        preexec_fn=None if sigint is None else lambda: signal.signal(signal.SIGINT, sigint),
     )
 
 
@@ -321,7 +323,8 @@ def test_sigterm_taken_by_the_wrappers_output_thread_still_stops_the_job(tmp_pat
         "print('started', flush=True)\n"
         "while True: time.sleep(0.05)\n",
     ]  # fmt: skip
-    p = run_job(tmp_path, "stopped", "0", 0, job, log=True)
+    # Ctrl-C's default handling in the wrapper, as under a terminal, whatever this run has
+    p = run_job(tmp_path, "stopped", "0", 0, job, log=True, sigint=signal.SIG_DFL)
     try:
         log = tmp_path / "stopped.log"
         assert wait_until(lambda: log.exists() and "started" in log.read_text(), 30)
