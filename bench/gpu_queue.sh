@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Run a list of benchmark commands on a lent GPU machine over several calls. A call lasts at
+# most 10 minutes and the machine stays warm about 30 s after it, so the first call starts the
+# list in the background and the next calls, sent back to back, wait on it and fetch results.
+#
+#   bench/gpu_queue.sh start QUEUE   # from the repository root with .xfer/ carried: copies the
+#                                    # tree to /tmp/repo, installs the wheels (gpu_setup.sh),
+#                                    # starts QUEUE's commands one after the other, detached
+#   bench/gpu_queue.sh wait SECONDS  # until every command ended or SECONDS passed
+#   bench/gpu_queue.sh collect       # copies each command's log, exit status and its --out's
+#                                    # bench_*.json files to $OUT/NAME/
+#
+# QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
+# NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
+# does not stop the rest. collect copies the files of the folder after --out in COMMAND.
+# A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
+set -euo pipefail
+Q=/tmp/gpuq
+REPO=/tmp/repo
+
+entries() { grep -v '^[[:space:]]*\(#\|$\)' "$Q/queue"; }
+
+case "${1:-}" in
+start)
+  queue=${2:?usage: gpu_queue.sh start QUEUE}
+  [ -f "$queue" ] || {
+    echo "error: no queue file $queue" >&2
+    exit 2
+  }
+  rm -rf "$REPO" "$Q"
+  mkdir -p "$Q"
+  cp -r . "$REPO"
+  cp "$queue" "$Q/queue"
+  cd "$REPO"
+  start=$(date +%s)
+  eval "$(bench/gpu_setup.sh install)"
+  export PYTHONPATH PATH
+  echo "installed in $(($(date +%s) - start)) s"
+  nvidia-smi -L
+  # its own session, so that nothing of this call's ending reaches it
+  setsid nohup "$REPO/bench/gpu_queue.sh" run </dev/null >/dev/null 2>&1 &
+  ;;
+run) # the background part of start
+  cd "$REPO"
+  while read -r name command; do
+    date +%s >"$Q/$name.start"
+    rc=0
+    bash -c "$command" >"$Q/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$Q/$name.rc"
+    date +%s >"$Q/$name.end"
+  done < <(entries)
+  touch "$Q/all-done"
+  ;;
+wait)
+  seconds=${2:?usage: gpu_queue.sh wait SECONDS}
+  [ -d "$Q" ] || {
+    echo "error: no queue on this machine (a fresh machine: start again)" >&2
+    exit 3
+  }
+  end=$(($(date +%s) + seconds))
+  while [ ! -f "$Q/all-done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 2; done
+  while read -r name _; do
+    if [ -f "$Q/$name.rc" ]; then
+      echo "$name: exit $(cat "$Q/$name.rc") after $(($(cat "$Q/$name.end") - $(cat "$Q/$name.start"))) s"
+    elif [ -f "$Q/$name.start" ]; then
+      echo "$name: running for $(($(date +%s) - $(cat "$Q/$name.start"))) s"
+    else
+      echo "$name: waiting"
+    fi
+  done < <(entries)
+  ;;
+collect)
+  [ -d "$Q" ] || exit 3
+  while read -r name command; do
+    [ -f "$Q/$name.start" ] || continue
+    mkdir -p "$OUT/$name"
+    cp "$Q/$name".* "$OUT/$name/"
+    out=$(sed -n 's/.*--out[= ]\([^ ]*\).*/\1/p' <<<"$command")
+    if [ -n "$out" ]; then cp "$out"/bench_*.json "$OUT/$name/" 2>/dev/null || true; fi
+  done < <(entries)
+  ;;
+*)
+  sed -n '2,16p' "$0" >&2
+  exit 2
+  ;;
+esac
