@@ -12,6 +12,12 @@
   short of its SIGKILL. A job stopped by SLURM or snakemake gets several: one sent to every
   process, one from the wrapper stopping its group, one when its parent dies; a user
   presses Ctrl-C twice.
+- ``stop_requests``: where a job can stop cleanly only at certain points (training, between
+  steps: it saves a state a rerun resumes from), SIGTERM and SIGINT only note the request;
+  the job's loop acts on it at its next such point. Later signals are ignored (each of
+  SLURM, torchrun and the GPU wrapper passes one on); one that hangs is SIGKILLed by
+  whoever sent the SIGTERM once their grace runs out (the wrapper, torchrun and SLURM's
+  KillWait: 30 s each).
 - ``hold_folders``: the job takes an exclusive ``flock`` per artifact folder it writes (the
   lock file holds its PID and host; see ``lock_path``) for the life of its process (the lock's
   descriptor is inherited across ``exec``); a second writer of the same job's artifacts stops
@@ -99,6 +105,39 @@ def signals_deferred():
                 signal.signal(sig, handler)
         for sig in dict.fromkeys(arrived):
             signal.raise_signal(sig)
+
+
+class StopRequest:
+    """A stop asked for by a signal (``stop_requests``): ``signum``, None until one came."""
+
+    signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """For the block, the first SIGTERM or SIGINT sets the yielded ``StopRequest`` instead of
+    unwinding (later ones are ignored); the block acts on it where stopping is safe. A request
+    not acted on by the block's end exits there (``SystemExit``, 128 + the signal). Main
+    thread only (where Python runs signal handlers)."""
+    request = StopRequest()
+
+    def note(signum, _frame):
+        if request.signum is None:
+            request.signum = signum
+
+    previous = {s: signal.signal(s, note) for s in STOP_SIGNALS}
+    try:
+        yield request
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: installed outside Python, left as it is
+                signal.signal(sig, handler)
+    if request.signum is not None:
+        raise SystemExit(128 + request.signum)
 
 
 def lock_path(folder: Path, job: str) -> Path:

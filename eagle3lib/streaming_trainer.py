@@ -4,11 +4,15 @@ for the GPU, and its progress lines."""
 from __future__ import annotations
 
 import contextlib
+import signal
+import sys
 import time
 
 import torch
 from speculators.train.trainer import Trainer
 
+from eagle3lib.distributed import barrier
+from eagle3lib.lifetime import StopRequest, stop_requests
 from eagle3lib.speculators_compat import speculators_patches
 
 
@@ -150,6 +154,7 @@ class StreamingTrainer(Trainer):
     batched_muon = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
 
     progress: TrainingProgress | None = None
+    stop_request = StopRequest()  # run_training's: SIGTERM or SIGINT, acted on between steps
     # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
     # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
     # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
@@ -161,11 +166,41 @@ class StreamingTrainer(Trainer):
             stop_buffer_broadcast(self.model)
 
     def run_training(self):
+        """speculators' run_training, stopped by SIGTERM or SIGINT only between steps, where
+        it saves a state a rerun resumes from (``stop_here``); speculators' own handler
+        (``with_graceful_shutdown``) is left out: it breaks off the step wherever it is, saves
+        an "interrupted" folder no rerun resumes from and returns as if training had ended."""
         if self.rank == 0:
             self.progress = TrainingProgress(self.config.num_epochs, self.config.max_steps)
         sync_free = ("sync_free_eagle3",) if self.sync_free else ()
-        with speculators_patches(*sync_free):
-            return super().run_training()
+        with speculators_patches(*sync_free), stop_requests() as self.stop_request:
+            Trainer.run_training.__wrapped__(self)
+            if self.stop_request.signum is not None and self.rank == 0:  # exits as asked
+                print(
+                    f"train: stopped by {self.stop_request.name} after the last step; every "
+                    "epoch's state is saved: a rerun exports the checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def stop_here(self, epoch: int, local_step: int) -> None:
+        """Save the state after this step as speculators' mid-epoch checkpoint (what a rerun
+        resumes from, exactly), then exit as the signal asked (128 + its number; SIGTERM's on
+        a rank that got none itself)."""
+        request = self.stop_request
+        # the save its loop makes every checkpoint_freq of an epoch, whatever checkpoint_freq
+        self.config = self.config._replace(checkpoint_freq=0.5, save_best=False)
+        self.maybe_save_checkpoint(epoch, local_step=local_step)
+        barrier()  # no rank exits (its launcher then ends the others) before rank 0 swapped it in
+        if self.rank == 0:
+            print(
+                f"train: stopped by {request.name or 'a signal to another rank'} after step "
+                f"{self.global_step} (epoch {epoch + 1}); the state after it is saved in "
+                f"{self.checkpointer.path / str(epoch)}: a rerun resumes from it",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(128 + (request.signum or signal.SIGTERM))
 
     def setup_optimizer(self):
         """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)
@@ -319,6 +354,11 @@ class StreamingTrainer(Trainer):
         )
         interval_tokens, interval_start = 0, time.perf_counter()
         interval_wait = self.data_wait_seconds
+        stop_agreed = False
+
+        def stop_asked() -> bool:
+            return self.stop_request.signum is not None
+
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
             gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
@@ -341,11 +381,13 @@ class StreamingTrainer(Trainer):
                 now = time.perf_counter()
                 metrics["error_records_sum"] = torch.tensor(float(batch["error_records"]))
                 metrics["error_records_total"] = torch.tensor(1.0 if self.rank == 0 else 0.0)
-                if self.is_distributed:
+                if self.is_distributed:  # a stop asked of any rank stops them all here
+                    metrics["stop_requested"] = torch.tensor(float(stop_asked()))
                     metrics = st._all_reduce_metrics(  # noqa: SLF001
                         {k: v.to(loss.device) for k, v in metrics.items()}
                     )
                 values = {k: v.item() for k, v in metrics.items()}
+                stop_agreed = values.pop("stop_requested", 0.0) > 0
                 world = st.dist.get_world_size() if self.is_distributed else 1
                 values = normalize_counted_metrics(values, world)
                 lrs = current_lrs if len(current_lrs) > 1 else next(iter(current_lrs.values()))
@@ -370,6 +412,10 @@ class StreamingTrainer(Trainer):
                 self.progress.step(self.global_step, epoch, tokens, self.data_wait_seconds)
             if step_callback is not None:
                 step_callback()
+            # between steps: one process acts on a stop at once; ranks at a logging step,
+            # where they agree on it in the metrics' all-reduce (no collective of its own)
+            if stop_agreed or (not self.is_distributed and stop_asked()):
+                self.stop_here(epoch, local_step)
             if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
                 break
             if (

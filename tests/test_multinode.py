@@ -233,12 +233,15 @@ def cmdline(pid: int) -> list[str]:
     return []
 
 
-def node_of(pid: int) -> str | None:
+def environ(pid: int) -> dict[str, str]:
     with contextlib.suppress(OSError):
-        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if item.startswith(b"SLURM_NODEID="):
-                return item.split(b"=", 1)[1].decode()
-    return None
+        items = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        return dict(item.split("=", 1) for item in items if "=" in item)
+    return {}
+
+
+def node_of(pid: int) -> str | None:
+    return environ(pid).get("SLURM_NODEID")
 
 
 def parent_of(pid: int) -> int:
@@ -317,6 +320,10 @@ def test_two_nodes_preempted_then_a_rank_killed_resume_to_one_nodes_bytes(
     interrupt_after_checkpoint(cmd, env, tmp_path, 0, preempt)
     first = checkpoint_step(tmp_path)
     assert first is not None and logged_steps(tmp_path)[0] == 0
+    # the ranks agreed on the step to stop after and saved the state after it
+    log = (tmp_path / "train.log").read_text()
+    assert f"train: stopped by SIGTERM after step {first} " in log, log[-3000:]
+    assert logged_steps(tmp_path)[-1] == first - 1
 
     def kill_node_1_rank(pid: int) -> None:
         ranks = workers(pid)
@@ -352,6 +359,34 @@ def test_two_nodes_preempted_then_a_rank_killed_resume_to_one_nodes_bytes(
         "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
         "--cpus-per-task=1", "--gres=gpu:1",
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_logging_step(
+    pipeline, two_process_training, tmp_path
+):
+    """SIGTERM to rank 1's training process only: the ranks agree at the next logging step
+    (train.log_every 3) and stop after it, rank 0 having saved the state after that step; the
+    rerun resumes from it and ends with the one-node run's checkpoint bytes."""
+    cfg = replace(two_process_training["cfg"], checkpoint_freq=0.25, log_every=3)
+    cmd, env = two_node_job(pipeline, tmp_path, cfg)
+
+    def sigterm_to_rank_1(pid: int) -> None:  # not rank 0, which saves and prints
+        (rank_1,) = [p for p in workers(pid).values() if environ(p).get("RANK") == "1"]
+        os.kill(rank_1, signal.SIGTERM)
+
+    interrupt_after_checkpoint(cmd, env, tmp_path, 0, sigterm_to_rank_1)
+    log = (tmp_path / "train.log").read_text()
+    stopped = re.search(r"train: stopped by a signal to another rank after step (\d+) ", log)
+    assert stopped, log[-3000:]
+    step = int(stopped.group(1))
+    assert checkpoint_step(tmp_path) == step and (step - 1) % 3 == 0  # after a logging step
+
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["resumed"] is True
+    weights = (tmp_path / "checkpoint" / "model.safetensors").read_bytes()
+    assert weights == two_process_training["weights"]
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 import dataclasses
+import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -624,3 +626,78 @@ def test_streaming_trainer_prints_progress_to_stderr(pipeline, tmp_path, capfd):
     assert lines[-1].startswith(f"train: step {steps}/{steps} (epoch 2/2), ")
     assert "tokens/s" in lines[-1] and "about 0 s left; " in lines[-1]
     assert lines[-1].endswith(" ms a step since the last line")
+
+
+class SignalledAt(streaming_trainer.StreamingTrainer):
+    """Sends itself ``signum`` once ``at`` steps are done (from its step callback), or, with
+    ``at`` None, during the last epoch's validation (after the last step)."""
+
+    at: int | None = None
+    signum = signal.SIGTERM
+
+    def train_epoch(self, epoch, *, step_callback=None):
+        def callback():
+            if self.global_step == self.at:
+                signal.raise_signal(self.signum)
+
+        super().train_epoch(epoch, step_callback=callback)
+
+    def val_epoch(self, epoch):
+        if self.at is None and epoch == self.config.num_epochs - 1:
+            signal.raise_signal(self.signum)
+        return super().val_epoch(epoch)
+
+
+@pytest.mark.parametrize(
+    ("where", "signum"),
+    [
+        ("mid-epoch", signal.SIGTERM),
+        ("epoch-end", signal.SIGINT),
+        ("after-training", signal.SIGTERM),
+    ],
+)
+def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_the_same_bytes(
+    pipeline, tmp_path, capfd, where, signum
+):
+    """SIGTERM (how schedulers preempt) or SIGINT during training: the step finishes, its
+    state is saved where a rerun resumes from it, the job exits 128 + the signal; the rerun
+    runs each remaining step once and ends with an uninterrupted run's bytes and curves."""
+    reference = tmp_path / "reference"
+    train_pipeline(pipeline, reference, epochs=2)
+    ref_metrics = train.read_metrics(reference / "m.jsonl")
+    total = len([m for m in ref_metrics if "train" in m])
+    first_epoch = len([m for m in ref_metrics if "train" in m and m["epoch"] == 0])
+    at = {"mid-epoch": 3, "epoch-end": first_epoch, "after-training": None}[where]
+    stopping = type("Stopping", (SignalledAt,), {"at": at, "signum": signum})
+
+    state = tmp_path / "state"
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train_pipeline(pipeline, state, trainer_class=stopping, epochs=2)
+    assert stopped.value.code == 128 + signum
+    err = capfd.readouterr().err
+    name = signal.Signals(signum).name
+    if at is None:
+        assert f"train: stopped by {name} after the last step; every epoch's state is saved" in err
+        last = train.read_metrics(state / "m.jsonl")[-1]
+        assert "val" in last and last["epoch"] == 1  # the validation it came in finished
+    else:
+        assert f"train: stopped by {name} after step {at} (epoch 1); the state after it" in err
+        saved = json.loads((state / "0" / "training_state.json").read_text())
+        assert saved == {"epoch": 0, "local_step": at, "global_step": at}
+        assert not (state / "1").exists()
+    assert not (state / "interrupted").exists()  # speculators' own handler's folder
+
+    stats = train_pipeline(pipeline, state, epochs=2)
+    assert stats["resumed"] is True
+    steps = [m["global_step"] for m in train.read_metrics(state / "m.jsonl") if "train" in m]
+    assert steps == list(range(total))  # no step lost or run twice
+    final = Path(stats["final_epoch_dir"])
+    assert final == state / "1"
+    assert (final / "model.safetensors").read_bytes() == (
+        reference / "1" / "model.safetensors"
+    ).read_bytes()
+    curves = train.loss_curves(train.read_metrics(state / "m.jsonl"))
+    reference_curves = train.loss_curves(ref_metrics)
+    assert curves["train_loss"] == reference_curves["train_loss"]
+    assert curves["val"] == reference_curves["val"]
