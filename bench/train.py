@@ -71,9 +71,9 @@ Next GPU measurements (durations are estimates from earlier calls, not measured:
 each run builds the draft and, first in a process, compiles it; runs with 12 spawned workers
 start more slowly):
 
-  0. one H200 (nvidia-h200), about 6-8 min, 18 runs (not run yet): the workflow's default
-     packing (ffd since 2026-12-04) against speculators' trainer at its best, and the default
-     recipe whole against its CLI defaults:
+  0. one H200 (nvidia-h200), 18 runs (ran on 2026-12-05 in 17 min, BENCHMARKS.md): the
+     workflow's default packing (ffd since 2026-12-04) against speculators' trainer at its
+     best, and the default recipe whole against its CLI defaults:
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --repeat 3 \
          --variants ours_ffd,speculators_w0,speculators_w4,speculators_w12,ours_muon_ffd,speculators_cli
@@ -93,8 +93,9 @@ start more slowly):
        torchrun --nproc-per-node 2 bench/train.py --samples 120 --steps 28 --warmup 8 \
          --profile-steps 0 --repeat 3 --variants ours,ours_nobcast \
          --baseline /tmp/eagle3-bench-train/bench_train.json
-  3. one H200, 9 runs, perhaps 15 min (not run yet; every run compiles the draft anew, and
-     the three-layer builds' first steps took 1.6-2.2 min, compiling): a SmolLM2-sized four-layer
+  3. one H200, 9 runs, perhaps 15 min (first two runs on 2026-12-05, BENCHMARKS.md: CUDA
+     graphs 9.7 x slower, the same losses; every run compiles the draft anew: their first
+     steps took 2 min 02 s and 40 s, compiling): a SmolLM2-sized four-layer
      draft, whose step is host-bound (GPU busy 38-69 % in the ffd build), with the compiled
      regions replayed as CUDA graphs or launched by inductor's C++ wrapper, against the
      default recipe; first three runs logging every step (the losses compare), then two
