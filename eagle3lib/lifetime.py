@@ -121,9 +121,13 @@ class StopRequest:
 def stop_requests():
     """For the block, the first SIGTERM or SIGINT sets the yielded ``StopRequest`` instead of
     unwinding (later ones are ignored); the block acts on it where stopping is safe. A request
-    not acted on by the block's end exits there (``SystemExit``, 128 + the signal). Main
-    thread only (where Python runs signal handlers)."""
+    not acted on by the block's end exits there (``SystemExit``, 128 + the signal). Signals
+    are noted in the main thread only (where Python runs their handlers); in another thread
+    the block gets a request no signal sets."""
     request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
 
     def note(signum, _frame):
         if request.signum is None:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, alive, wait_until
 
 
@@ -107,3 +108,41 @@ def test_a_second_writer_stops_with_one_line_naming_the_holder(tmp_path):
     after = subprocess.run(vocab, capture_output=True, text=True)  # the lock is free again
     assert after.returncode != 0 and "another vocab job" not in after.stderr
     assert "missing.safetensors" in after.stderr
+
+
+def test_stop_requests_note_the_first_signal_and_exit_at_the_blocks_end():
+    """Inside the block SIGTERM and SIGINT only set the request (the first one's number; a
+    later one is ignored); the block's end exits with 128 + it; the handlers are restored."""
+    from eagle3lib.lifetime import stop_requests
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    ran_on = []
+    with pytest.raises(SystemExit) as stopped, stop_requests() as request:
+        assert request.signum is None and request.name == ""
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        ran_on.append(request.signum)  # not unwound by either signal
+    assert ran_on == [signal.SIGTERM] and request.name == "SIGTERM"
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in before} == before
+
+    with stop_requests() as request:  # no signal: the block ends as it would
+        pass
+    assert request.signum is None
+
+
+def test_stop_requests_in_another_thread_leave_the_handlers_alone():
+    import threading
+
+    from eagle3lib.lifetime import stop_requests
+
+    seen = []
+
+    def run():
+        with stop_requests() as request:
+            seen.append((request.signum, signal.getsignal(signal.SIGTERM)))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [(None, signal.getsignal(signal.SIGTERM))]
