@@ -36,6 +36,8 @@ ENDPOINT_VAR = "EAGLE3_RDZV_ENDPOINT"
 RDZV_ID_VAR = "EAGLE3_RDZV_ID"
 
 GPU_JOB = Path(__file__).resolve().parents[1] / "scripts" / "gpu_job.py"
+# torch's torchrun, ended by a failed worker with one line a rank (scripts/torchrun.py)
+TORCHRUN = [sys.executable, str(GPU_JOB.with_name("torchrun.py"))]
 
 
 def nodes_refusal(
@@ -129,7 +131,7 @@ def torchrun_argv(
     """torchrun for one node of ``nodes``: c10d rendezvous at ``endpoint`` (host:port); node
     ranks are given by the rendezvous (c10d ignores --node-rank)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        *TORCHRUN,
         f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
         "--max-restarts=0", *script,
@@ -171,8 +173,7 @@ def relaunch(
         endpoint, rdzv_id, node = node_launch(env)
         return node == 0, torchrun_argv(nodes, max(processes, 1), endpoint, rdzv_id, script)
     if processes > 1:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        return True, [*torchrun, f"--nproc-per-node={processes}", *script]
+        return True, [*TORCHRUN, "--standalone", f"--nproc-per-node={processes}", *script]
     return True, None
 
 
@@ -197,3 +198,32 @@ def gpu_job_per_node(
         sys.executable, str(GPU_JOB), "--gpus", str(gpus), "--rule", rule,
         "--record", str(record), "--per-node", "--lock-dir", str(lock_dir), "--", *command,
     ]  # fmt: skip
+
+
+def exit_status(code: int) -> int:
+    """A process's exit status as a shell reports it: 128 + N for one ended by signal N
+    (torch records those as -N)."""
+    return 128 - code if code < 0 else code
+
+
+def run_torchrun(argv: Sequence[str]) -> int:
+    """torch's torchrun (``torch.distributed.run.main``) on ``argv``. When a worker fails it
+    prints one line a failed rank (its exit status; each worker has printed its own error)
+    instead of torch's traceback and failure table, and returns the status of the first
+    failure: 143 for a worker stopped by SIGTERM, as the job's status."""
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run.main(list(argv))
+    except ChildFailedError as exc:
+        first, _ = exc.get_first_failure()
+        for rank, failure in sorted(exc.failures.items()):
+            print(
+                f"torchrun: rank {rank} (pid {failure.pid}) exited with status "
+                f"{exit_status(failure.exitcode)}" + (", the first" if rank == first else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+        return exit_status(exc.failures[first].exitcode) or 1
+    return 0

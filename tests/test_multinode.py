@@ -28,7 +28,7 @@ from eagle3lib import multinode, report
 from eagle3lib.errors import UserError
 from eagle3lib.multinode import ENDPOINT_VAR, RDZV_ID_VAR
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [sys.executable, str(ROOT / "scripts" / "torchrun.py")]
 
 
 # ---- planning and command lines ---------------------------------------------------------------
@@ -84,6 +84,10 @@ def test_allocation_hosts_come_from_scontrol():
     assert calls == [["scontrol", "show", "hostnames", "gpu[03-04]"]]
     with pytest.raises(UserError, match="SLURM_JOB_ID is not set"):
         multinode.allocation_hosts({}, run)
+
+
+def test_exit_status_of_a_worker_ended_by_a_signal():
+    assert [multinode.exit_status(c) for c in (0, 1, 143, -15, -9)] == [0, 1, 143, 143, 137]
 
 
 def test_srun_and_torchrun_command_lines():
@@ -254,7 +258,7 @@ def workers(root: int) -> dict[str, int]:
     for pid in tree(root):
         argv = cmdline(pid)
         script = any(a.endswith("scripts/train.py") for a in argv[1:3])
-        if script and alive(pid) and "torch.distributed.run" in cmdline(parent_of(pid)):
+        if script and alive(pid) and cmdline(parent_of(pid))[: len(TORCHRUN)] == TORCHRUN:
             found[node_of(pid)] = pid
     return found
 
@@ -381,6 +385,9 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_logging_step(
     assert stopped, log[-3000:]
     step = int(stopped.group(1))
     assert checkpoint_step(tmp_path) == step and (step - 1) % 3 == 0  # after a logging step
+    # each node's torchrun: one line a rank, no traceback (scripts/torchrun.py)
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
+    assert re.search(r"torchrun: rank 1 \(pid \d+\) exited with status 143, the first", log)
 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
