@@ -93,19 +93,20 @@ start more slowly):
        torchrun --nproc-per-node 2 bench/train.py --samples 120 --steps 28 --warmup 8 \
          --profile-steps 0 --repeat 3 --variants ours,ours_nobcast \
          --baseline /tmp/eagle3-bench-train/bench_train.json
-  3. one H200, 9 runs, perhaps 15 min (first two runs on 2026-12-05, BENCHMARKS.md: CUDA
-     graphs 9.7 x slower, the same losses; every run compiles the draft anew: their first
-     steps took 2 min 02 s and 40 s, compiling): a SmolLM2-sized four-layer
-     draft, whose step is host-bound (GPU busy 38-69 % in the ffd build), with the compiled
-     regions replayed as CUDA graphs or launched by inductor's C++ wrapper, against the
-     default recipe; first three runs logging every step (the losses compare), then two
-     timed rounds:
+  3. one H200, 7 runs, perhaps 12 min (its first two runs ran on 2026-12-05, BENCHMARKS.md:
+     CUDA graphs 9.7 x slower with the same losses, logging every step; every run
+     compiles the draft anew: their first steps took 2 min 02 s and 40 s): a SmolLM2-sized
+     four-layer draft, whose step is host-bound (GPU busy 38-69 % in the ffd build), with
+     the compiled regions launched by inductor's C++ wrapper, against the default recipe;
+     first one pair logging every step (the losses compare), then two timed rounds:
        python3 bench/train.py --shape smollm2 --num-layers 4 --samples 1000 --steps 20 \
          --warmup 5 --profile-steps 0 --log-every 1 \
-         --variants ours_muon_ffd,ours_muon_ffd_cg,ours_muon_ffd_cppwrap && \
+         --variants ours_muon_ffd,ours_muon_ffd_cppwrap && \
        python3 bench/train.py --shape smollm2 --num-layers 4 --samples 1000 --steps 50 \
          --warmup 10 --profile-steps 0 --repeat 2 \
-         --variants ours_muon_ffd,ours_muon_ffd_cg,ours_muon_ffd_cppwrap
+         --variants ours_muon_ffd,ours_muon_ffd_cppwrap,ours_muon_ffd_cg
+     (CUDA graphs only in the timed rounds, logging every 10 steps as the default recipe does:
+     whether the 9.7 x holds without a sync every step)
 """
 
 from __future__ import annotations
