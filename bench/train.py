@@ -14,6 +14,9 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon             the workflow's default recipe (Muon, log every 10 steps) with
                           speculators' packing (multipack)
     ours_muon_ffd         the workflow's default recipe whole: ours_muon with train.packing: ffd
+                          (both with train.newton_schulz: gram, the default since 2026-12-05)
+    ours_muon_ffd_standard ours_muon_ffd with train.newton_schulz: standard (torch's iteration
+                          for every matrix, the train job's Muon before 2026-12-05)
     ours_ffd              ours with train.packing: ffd (the workflow's default since
                           2026-12-04: fuller batches); ours itself packs as speculators does
     ours_fp8              ours on fp8 shards of the same states
@@ -107,6 +110,18 @@ start more slowly):
          --variants ours_muon_ffd,ours_muon_ffd_cppwrap,ours_muon_ffd_cg
      (CUDA graphs only in the timed rounds, logging every 10 steps as the default recipe does:
      whether the 9.7 x holds without a sync every step)
+  4. one H200, 11 runs and two checks, perhaps 12 min (not run yet): Gram Newton-Schulz
+     (train.newton_schulz: gram, the default since 2026-12-05) against torch's iteration,
+     matrix by matrix at the 8B-shaped draft's shapes, on its optimiser step, and in the
+     default recipe against speculators' CLI defaults (#16's 1.6 x):
+       python3 bench/newton_schulz.py --shape llama8b && \
+       python3 bench/train.py --samples 8 --variants "" --muon-check 20 && \
+       python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
+         --repeat 3 --variants ours_muon_ffd,ours_muon_ffd_standard,speculators_cli && \
+       python3 bench/train.py --samples 240 --steps 50 --warmup 8 --profile-steps 0 \
+         --log-every 1 --variants ours_muon_ffd,ours_muon_ffd_standard
+     (the last pair logs every step: how far the losses of the two drift apart in 50 steps)
+  Plans 4 and 3 are the queue bench/queues/train-gram.txt (bench/gpu_queue.sh).
 """
 
 from __future__ import annotations
@@ -180,6 +195,7 @@ class Variant:
     lr_factor: float = 1.0  # a mutation for --same-training
     compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
     batched_muon: bool = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
+    newton_schulz: str = TrainConfig.newton_schulz  # train.newton_schulz (with batched_muon)
     # experiments, not train options: how torch.compile's code launches its kernels on a GPU
     cuda_graphs: bool = False  # inductor's CUDA graph trees (mode "reduce-overhead")
     cpp_wrapper: bool = False  # inductor's C++ wrapper in place of its Python one
@@ -200,6 +216,12 @@ VARIANTS = {
     "ours_muon_ffd": Variant(
         optimizer="muon", log_every=TrainConfig.log_every, packing=TrainConfig.packing
     ),
+    "ours_muon_ffd_standard": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        newton_schulz="standard",
+    ),  # fmt: skip
     # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
     # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
     # an H200), to size the host time Muon's eager ops cost
@@ -566,6 +588,7 @@ def run_variant(
         loader_workers=0 if args.smoke else args.workers if v.workers is None else v.workers,
         loader_threads=v.loader_threads,
         packing=v.packing,
+        newton_schulz=v.newton_schulz,
         loss="eager" if args.eager_loss else "auto",
         fsdp=args.fsdp,
     )
@@ -790,7 +813,9 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
       (the setting with the highest median tokens/s): every pair's ratio, min and median;
       the key is the min; the same for ours_ffd (the workflow's default packing);
     - ours_muon (the workflow's default recipe with speculators' packing) and ours_muon_ffd
-      (with its own) against speculators_cli (its CLI defaults);
+      (with its own) against speculators_cli (its CLI defaults); ours_muon_ffd against
+      ours_muon_ffd_standard (Gram Newton-Schulz against torch's iteration; with --log-every
+      the largest relative difference between their losses too);
     - ours+contend (busy processes in the window) against quiet ours;
     - ours_ffd against ours (fuller batches);
     - ours_muon_ffd_cg and ours_muon_ffd_cppwrap against ours_muon_ffd: tokens/s per pair,
@@ -851,6 +876,9 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
     comparison("muon_ffd.speedup_vs_speculators_cli", "ours_muon_ffd", "speculators_cli")
     comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
+    comparison("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
+    if "gram.speedup_vs_standard" in summary:  # with --log-every: how far the losses drift
+        same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
     contended = median_of(results, "ours" + CONTEND)
@@ -935,16 +963,18 @@ def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict,
 
 
 def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
-    """The train job's Muon on a GPU (``muon.gpu_optimizers``: BatchedMuon for the small
-    matrices, torch's Muon for the large) against torch's Muon alone, on the draft's own Muon
-    matrices (speculators' split), ``--muon-check`` steps from the same weights with the same
-    random gradients: the largest relative difference of any step's update
-    (tests/test_muon.py's tolerance is 1 %), and each one's step time (median over the steps
-    after the first, GPU synchronised)."""
+    """The train job's Muon on a GPU (``muon.gpu_optimizers`` with train.newton_schulz's
+    default: BatchedMuon) against torch's Muon (speculators'), with torch's Muon iterating in
+    fp32 (``precision.Fp32Muon``) as the reference, on the draft's own Muon matrices
+    (speculators' split), ``--muon-check`` steps from the same weights with the same random
+    gradients. For the matrices taken by Gram Newton-Schulz: the largest ratio of the train
+    job's distance to the reference over torch's (tests/test_muon.py's tolerance is 0.5); for
+    the others: the largest relative difference to torch's (its tolerance is 1 %); and each
+    one's step time (median over the steps after the first, GPU synchronised)."""
     from speculators.train.optimizers import split_named_params_for_muon
 
-    from eagle3lib import config, train
-    from eagle3lib.muon import BatchedMuon, gpu_optimizers
+    from eagle3lib import config, muon, train
+    from eagle3lib.precision import Fp32Muon
 
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, num_layers=args.num_layers)
     aux = config.resolve_aux_layers(None, record["num_hidden_layers"])
@@ -957,13 +987,18 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
     grads = [[torch.randn(s, generator=gen, device=device) for s in shapes]
              for _ in range(args.muon_check)]  # fmt: skip
     updates, seconds = {}, {}
-    for name in ("Muon", "BatchedMuon"):
+    for name in ("Muon", "BatchedMuon", "Fp32Muon"):
         params = [torch.nn.Parameter(w.clone()) for w in start]
         opts = [torch.optim.Muon(params, lr=cfg.lr, weight_decay=0.01)]
         if name == "BatchedMuon":
-            opts = gpu_optimizers(opts)
-            batched = sum(len(g["params"]) for o in opts if type(o) is BatchedMuon
-                          for g in o.param_groups)  # fmt: skip
+            opts = muon.gpu_optimizers(opts, cfg.newton_schulz)
+            taken = [(o, p) for o in opts if type(o) is muon.BatchedMuon
+                     for g in o.param_groups for p in g["params"]]  # fmt: skip
+            batched = sum(o.batched for o, _ in taken)
+            by_gram = {id(p) for o, p in taken if o.gram and muon._gram_pays(*sorted(p.shape), 5)}
+            gram = [id(p) in by_gram for p in params]
+        elif name == "Fp32Muon":
+            opts = [Fp32Muon.like(opts[0])]
         updates[name], seconds[name] = [], []
         for step in grads:
             before = [p.detach().clone() for p in params]
@@ -976,21 +1011,26 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
             sync()
             seconds[name].append(time.perf_counter() - t0)
             updates[name].append([p.detach() - b for p, b in zip(params, before, strict=True)])
-    worst = max(
-        ((a - b).norm() / b.norm()).item()
-        for sa, sb in zip(updates["BatchedMuon"], updates["Muon"], strict=True)
-        for a, b in zip(sa, sb, strict=True)
-    )
+    worst, worst_ratio = 0.0, 0.0
+    for mine, theirs, ref in zip(*(updates[k] for k in ("BatchedMuon", "Muon", "Fp32Muon")),
+                                 strict=True):  # fmt: skip
+        for a, b, r, g in zip(mine, theirs, ref, gram, strict=True):
+            if g:
+                worst_ratio = max(worst_ratio, ((a - r).norm() / (b - r).norm()).item())
+            else:
+                worst = max(worst, ((a - b).norm() / b.norm()).item())
     ms = {k: 1000 * float(np.median(v[1:])) for k, v in seconds.items()}
     tag = device_tag()
-    summary = {"matrices": len(shapes), "batched_matrices": batched,
+    summary = {"matrices": len(shapes), "batched_matrices": batched, "gram_matrices": sum(gram),
                "shapes": sorted(set(shapes)), "steps": args.muon_check,
-               "max_relative_difference": worst, "step_ms": ms}  # fmt: skip
+               "newton_schulz": cfg.newton_schulz, "max_relative_difference": worst,
+               "gram_worst_distance_ratio": worst_ratio, "step_ms": ms}  # fmt: skip
     lines = [
-        f"muon check: {len(shapes)} matrices of {len(set(shapes))} shapes ({batched} batched), "
-        f"{args.muon_check} steps; step {ms['Muon']:.2f} ms (torch) vs "
-        f"{ms['BatchedMuon']:.2f} ms (the train job's)",
+        f"muon check: {len(shapes)} matrices of {len(set(shapes))} shapes ({batched} batched, "
+        f"{sum(gram)} by Gram Newton-Schulz), {args.muon_check} steps; step {ms['Muon']:.2f} ms "
+        f"(torch) vs {ms['BatchedMuon']:.2f} ms (the train job's)",
         f"train.{tag}.batched_muon.max_relative_difference = {worst:.5f}",
+        f"train.{tag}.gram_muon.worst_distance_ratio_to_fp32 = {worst_ratio:.3f}",
         f"train.{tag}.batched_muon.step_ms = {ms['BatchedMuon']:.2f}",
         f"train.{tag}.torch_muon.step_ms = {ms['Muon']:.2f}",
     ]

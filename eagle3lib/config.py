@@ -204,6 +204,7 @@ class TrainConfig:
     epochs: int = 20
     lr: float = 1e-3
     optimizer: str = "muon"
+    newton_schulz: str = "gram"
     weight_decay: float = 0.01
     scheduler: str = "linear"
     warmup_ratio: float | None = None

@@ -152,6 +152,7 @@ class StreamingTrainer(Trainer):
     loader_threads = 4  # threads building batches (train.loader_threads); 0: one, as before
     sync_free = True  # speculators' loss metrics without host syncs (entries sync_free_eagle3)
     batched_muon = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
+    newton_schulz = "gram"  # with batched_muon: train.newton_schulz (train.train sets it)
 
     progress: TrainingProgress | None = None
     stop_request = StopRequest()  # run_training's: SIGTERM or SIGINT, acted on between steps
@@ -204,8 +205,8 @@ class StreamingTrainer(Trainer):
 
     def setup_optimizer(self):
         """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)
-        and its Muon batched by matrix shape (``batched_muon``; torch's update within bf16
-        rounding)."""
+        and its Muon batched by matrix shape (``batched_muon``), its wide matrices by Gram
+        Newton-Schulz where ``newton_schulz`` is "gram" (``muon.BatchedMuon``)."""
         gpu, optimizer = torch.cuda.is_available(), self.config.optimizer
         patches = [
             name
@@ -215,7 +216,7 @@ class StreamingTrainer(Trainer):
             )
             if on
         ]
-        with speculators_patches(*patches):
+        with speculators_patches(*patches, newton_schulz=self.newton_schulz):
             return super().setup_optimizer()
 
     def _prefetched(self, loader, depth: int = 4):

@@ -212,6 +212,17 @@ def _expected_shards(manifests: list[dict], record: dict[str, Any]) -> dict[str,
     }
 
 
+def with_newton_schulz(trainer_class: type, newton_schulz: str) -> type:
+    """``trainer_class`` orthogonalising as train.newton_schulz says: a subclass setting it
+    where a StreamingTrainer says otherwise (its optimisers are built in its constructor);
+    speculators' own Trainer as it is."""
+    if not issubclass(trainer_class, StreamingTrainer):
+        return trainer_class
+    if trainer_class.newton_schulz == newton_schulz:
+        return trainer_class
+    return type(trainer_class.__name__, (trainer_class,), {"newton_schulz": newton_schulz})
+
+
 def muon_layout(cfg, trainer_class) -> str | None:
     """How the run splits speculators' Muon (``muon.gpu_optimizers``, on a GPU where the
     trainer batches it), or None where it runs as speculators builds it."""
@@ -220,7 +231,8 @@ def muon_layout(cfg, trainer_class) -> str | None:
     batched = getattr(trainer_class, "batched_muon", False) and torch.cuda.is_available()
     if cfg.optimizer != "muon" or not batched:
         return None
-    return f"batched up to {BATCH_MAX_ELEMENTS} elements"
+    gram = ", wide ones by Gram Newton-Schulz" if cfg.newton_schulz == "gram" else ""
+    return f"batched up to {BATCH_MAX_ELEMENTS} elements{gram}"
 
 
 def _fingerprint(
@@ -233,6 +245,7 @@ def _fingerprint(
     speculators' (a mixed draft's has one optimiser more), so a folder of the other layout
     starts afresh instead of failing to load."""
     trained = {k: v for k, v in vars(cfg).items() if k not in RESOURCE_KEYS}
+    trained.pop("newton_schulz", None)  # in ``layout`` where it applies (a GPU)
     if trained["packing"] == "multipack":
         del trained["packing"]
     fingerprint = {
@@ -349,7 +362,7 @@ def train(
     pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
     rank = setup_distributed()
-    trainer_class = trainer_class or StreamingTrainer
+    trainer_class = with_newton_schulz(trainer_class or StreamingTrainer, cfg.newton_schulz)
     layout = muon_layout(cfg, trainer_class)
     fingerprint = _fingerprint(cfg, manifests, vocab_map, runtime, layout)
     resumed = fingerprinted_dir(state_dir, fingerprint) if rank == 0 else None

@@ -187,6 +187,33 @@ def test_summary_compares_kernel_launch_experiments_with_the_default_recipe(benc
         )
 
 
+def test_summary_compares_gram_newton_schulz_with_torchs_iteration(bench):
+    """ours_muon_ffd (train.newton_schulz: gram, the default) pairs with
+    ours_muon_ffd_standard, which differs from it in that setting only; with losses logged,
+    the largest relative difference between them is reported."""
+    results = []
+    for k in range(3):
+        results += [
+            run("ours_muon_ffd", [30000, 33000, 31000][k])
+            | {"loss_curve": {"train_loss": [4.0, 2.1]}},
+            run("ours_muon_ffd_standard", [25000, 30000, 31000][k])
+            | {"loss_curve": {"train_loss": [4.0, 2.0]}},
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    gram = summary["gram.speedup_vs_standard"]
+    assert gram["pairs"] == [1.2, 1.1, 1.0] and gram["against"] == "ours_muon_ffd_standard"
+    assert "train.h200.gram.speedup_vs_standard = 1.000" in lines
+    assert "train.h200.gram.speedup_vs_standard.median = 1.100" in lines
+    assert gram["max_loss_relative_difference"] == pytest.approx(0.05)
+    assert (
+        bench.VARIANTS["ours_muon_ffd"].newton_schulz == "gram" == bench.TrainConfig.newton_schulz
+    )
+    assert (
+        bench.dataclasses.replace(bench.VARIANTS["ours_muon_ffd_standard"], newton_schulz="gram")
+        == (bench.VARIANTS["ours_muon_ffd"])
+    )
+
+
 def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
     """A CUDA graphs or C++ wrapper run that fails on the GPU (a setting that may not work
     there) must not cost the call's other runs; any other variant's failure still ends it."""

@@ -1,11 +1,17 @@
-"""BatchedMuon: torch's Muon update, batched by matrix shape."""
+"""BatchedMuon: torch's Muon update, batched by matrix shape; its wide matrices by Gram
+Newton-Schulz (train.newton_schulz: gram)."""
+
+import functools
 
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from eagle3lib import muon, speculators_compat
 from eagle3lib.muon import BatchedMuon
+from eagle3lib.precision import Fp32Muon
 
 # A small three-layer draft's matrix shapes in miniature: wide, tall (transposed before the
 # iteration, sharing a group with the wide ones of the same oriented shape), and repeats.
@@ -163,9 +169,10 @@ def test_gpu_optimizers_leave_large_matrices_to_torchs_muon(monkeypatch):
     assert large.param_groups[0]["ns_steps"] == 4
 
 
-def test_the_patch_swaps_speculators_muon_while_applied():
+def test_the_patch_swaps_speculators_muon_while_applied(monkeypatch):
     """The ``batched_muon`` entry (StreamingTrainer.setup_optimizer applies it on a GPU):
-    speculators' build_optimizers then returns BatchedMuon, and torch's Muon again after."""
+    speculators' build_optimizers then returns BatchedMuon (Gram Newton-Schulz as the
+    context's newton_schulz says), and torch's Muon again after."""
     from speculators.train import trainer
 
     class Config:
@@ -174,16 +181,18 @@ def test_the_patch_swaps_speculators_muon_while_applied():
         muon_adjust_lr_fn = None
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    with speculators_compat.speculators_patches("batched_muon"):
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)  # the 8 x 8 weight is large
+    with speculators_compat.speculators_patches("batched_muon", newton_schulz="gram"):
         inside = trainer.build_optimizers(model, Config())
     outside = trainer.build_optimizers(model, Config())
-    assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"]
+    assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"] and inside[0].gram
     assert [type(o).__name__ for o in outside] == ["Muon", "AdamW"]
 
 
-def test_an_8b_shaped_draft_of_any_depth_keeps_torchs_muon():
+def test_an_8b_shaped_draft_of_any_depth_has_only_large_matrices():
     """The bound lies between a SmolLM2-shaped draft's largest matrix (576 x 1728) and an
-    8B-shaped one's smallest (k and v after the first layer: 1024 x 4096)."""
+    8B-shaped one's smallest (k and v after the first layer: 1024 x 4096): the one batched
+    by torch's iteration, the other taken one at a time (by Gram Newton-Schulz where wide)."""
     assert 576 * 1728 <= muon.BATCH_MAX_ELEMENTS < 1024 * 4096
 
 
@@ -196,11 +205,15 @@ def test_the_muon_layout_enters_the_resume_fingerprint(monkeypatch):
     from eagle3lib import train
     from eagle3lib.streaming_trainer import StreamingTrainer
 
-    cfg = SimpleNamespace(optimizer="muon")
+    cfg = SimpleNamespace(optimizer="muon", newton_schulz="standard")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train.muon_layout(cfg, StreamingTrainer) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert train.muon_layout(cfg, StreamingTrainer) == "batched up to 2097152 elements"
+    gram = SimpleNamespace(optimizer="muon", newton_schulz="gram")
+    assert train.muon_layout(gram, StreamingTrainer) == (
+        "batched up to 2097152 elements, wide ones by Gram Newton-Schulz"
+    )
     assert train.muon_layout(SimpleNamespace(optimizer="adamw"), StreamingTrainer) is None
     from speculators.train.trainer import Trainer
 
@@ -215,3 +228,153 @@ def test_the_muon_layout_enters_the_resume_fingerprint(monkeypatch):
     split = train._fingerprint(*parts, "batched up to 2097152 elements")
     assert plain["runtime"] == {"attention": "flex", "loss": "eager"}  # as before the split
     assert split["runtime"]["muon"] == "batched up to 2097152 elements" and split != plain
+
+
+def test_the_newton_schulz_setting_leaves_the_trained_fingerprint_to_the_layout():
+    """train.newton_schulz changes the update only where the layout says so (a GPU): the
+    train section's fingerprint is the same for both settings, and as before the key."""
+    from types import SimpleNamespace
+
+    from eagle3lib import train
+
+    def fingerprint(**extra):
+        cfg = SimpleNamespace(optimizer="muon", packing="ffd", lr=0.01, **extra)
+        parts = ([{"file": {"sha256": "ab"}}], {"d2t": torch.tensor([0, 1])},
+                 {"attention": "flex", "loss": "eager"})  # fmt: skip
+        return train._fingerprint(cfg, *parts)
+
+    assert fingerprint(newton_schulz="gram") == fingerprint(newton_schulz="standard")
+    assert fingerprint(newton_schulz="gram") == fingerprint()
+
+
+def test_the_train_job_trainer_takes_the_configured_newton_schulz():
+    """train.train builds its trainer with train.newton_schulz (the optimisers are built in
+    the trainer's constructor, so the setting is on the class); speculators' Trainer as is."""
+    from speculators.train.trainer import Trainer
+
+    from eagle3lib import train
+    from eagle3lib.streaming_trainer import StreamingTrainer
+
+    assert StreamingTrainer.newton_schulz == "gram"
+    assert train.with_newton_schulz(StreamingTrainer, "gram") is StreamingTrainer
+    standard = train.with_newton_schulz(StreamingTrainer, "standard")
+    assert issubclass(standard, StreamingTrainer) and standard.newton_schulz == "standard"
+    assert StreamingTrainer.newton_schulz == "gram"
+    assert train.with_newton_schulz(Trainer, "standard") is Trainer
+
+
+# Gram Newton-Schulz. The exact iteration: torch's formulas in fp64.
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def exact(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    a, b, c = COEFFICIENTS
+    tall = g.shape[0] > g.shape[1]
+    x = (g.T if tall else g).double()
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def distance(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def inputs():
+    """Wide and tall matrices, Gaussian and of rank 4 plus noise (torch's bf16 iteration is
+    far from the exact one there: the noise's small singular values are amplified)."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n in [(64, 192), (192, 64), (32, 128), (128, 256), (48, 96)]:
+        yield torch.randn(m, n, generator=gen)
+        low = torch.randn(m, 4, generator=gen) @ torch.randn(4, n, generator=gen)
+        yield 3 * low + 0.1 * torch.randn(m, n, generator=gen)
+
+
+def gram_orthogonalised(g: torch.Tensor, batched: bool = True) -> torch.Tensor:
+    return muon._orthogonalised([g], COEFFICIENTS, 5, 1e-7, gram=True, batched=batched)[0]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one_at_a_time"])
+def test_gram_newton_schulz_is_closer_to_the_exact_iteration_than_torchs(batched):
+    """Stated tolerance of train.newton_schulz: gram. Every result is at most half as far
+    (relative Frobenius distance) from the exact iteration as torch's bf16 one, in the input's
+    orientation and dtype: torch's update up to torch's own rounding."""
+    for g in inputs():
+        ours, ref = gram_orthogonalised(g, batched), exact(g)
+        theirs = _zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7)
+        assert ours.shape == g.shape and ours.dtype == torch.float32
+        assert distance(ours, ref) <= 0.5 * distance(theirs, ref), g.shape
+
+
+def test_gram_newton_schulz_without_its_restart_is_outside_the_tolerance(monkeypatch):
+    """The tolerance separates: never restarted, the Gram form in half precision drifts (its
+    authors' finding) to farther from the exact iteration than torch's bf16 one."""
+    monkeypatch.setattr(muon, "GRAM_RESTART", 0)
+    worst = max(
+        distance(gram_orthogonalised(g), exact(g))
+        / distance(_zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7), exact(g))
+        for g in inputs()
+    )
+    assert worst > 1.0
+
+
+def test_gram_takes_the_matrices_where_it_needs_fewer_flops_and_counts_them():
+    """Gram where its FLOPs (newton_schulz_flops, here checked against torch's FLOP counter)
+    are fewer: wide matrices (n > 1.5 m), not square ones, which take torch's iteration."""
+    for m, n in [(16, 48), (32, 128), (24, 24), (40, 60), (8, 24)]:
+        for gram in (True, False):
+            x = torch.randn(1, m, n)
+            run = muon._gram_newton_schulz if gram else muon._newton_schulz
+            with FlopCounterMode(display=False) as counter:
+                run(x, COEFFICIENTS, 5, 1e-7)
+            assert counter.get_total_flops() == muon.newton_schulz_flops(m, n, 5, gram)
+    assert muon._gram_pays(16, 48, 5) and muon._gram_pays(32, 128, 5)
+    assert not muon._gram_pays(24, 24, 5) and not muon._gram_pays(40, 60, 5)  # n = 1.5 m
+    assert not muon._gram_pays(40, 59, 5) and muon._gram_pays(40, 61, 5)
+    # an 8B-shaped one-layer draft's MLP matrix: 30 % fewer
+    assert muon.newton_schulz_flops(4096, 14336, 5, True) / muon.newton_schulz_flops(
+        4096, 14336, 5, False
+    ) == pytest.approx(0.70, abs=0.005)
+
+
+GRAM = functools.partial(BatchedMuon, newton_schulz="gram")
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+def test_gram_muon_update_is_closer_to_the_fp32_iteration_than_torchs(nesterov):
+    """The optimiser's step with newton_schulz="gram": every matrix's update in every step at
+    most as far from torch's Muon iterating in fp32 (precision.Fp32Muon) as torch's own bf16
+    update is, the square ones (no Gram form) within bf16 rounding of torch's; momentum
+    buffers equal."""
+    ours, our_bufs = steps(GRAM, nesterov=nesterov)
+    torchs, torch_bufs = steps(torch.optim.Muon, nesterov=nesterov)
+    fp32, _ = steps(Fp32Muon, nesterov=nesterov)
+    for mine, theirs in zip(our_bufs, torch_bufs, strict=True):
+        assert torch.equal(mine, theirs)
+    for step_ours, step_torch, step_fp32 in zip(ours, torchs, fp32, strict=True):
+        for shape, mine, theirs, ref in zip(SHAPES, step_ours, step_torch, step_fp32, strict=True):
+            if muon._gram_pays(min(shape), max(shape), 5):
+                assert (mine - ref).norm() <= 0.5 * (theirs - ref).norm(), shape
+            else:
+                assert (mine - theirs).norm() / theirs.norm() < 0.01, shape
+
+
+def test_gpu_optimizers_with_gram_take_large_matrices_one_at_a_time(monkeypatch):
+    """With "gram" large matrices go to a BatchedMuon taking them one at a time by Gram
+    Newton-Schulz (torch's own function for those without a Gram form), small ones, where the
+    launches take the time, to one batching them by torch's iteration; settings and names as
+    speculators built them."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    torch_muon, adamw = built(model)
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)
+    (large, rest) = muon.gpu_optimizers([torch_muon, adamw], "gram")
+    assert type(large) is BatchedMuon and large.gram and not large.batched and rest is adamw
+    assert large.state_dict() == torch_muon.state_dict()
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 32)
+    small, large, _ = muon.gpu_optimizers([torch_muon, adamw], "gram")
+    assert (small.gram, small.batched, large.gram, large.batched) == (False, True, True, False)
+    assert large.param_groups[0]["param_names"] == ["0.weight"]
+    with pytest.raises(ValueError, match="newton_schulz must be one of"):
+        BatchedMuon([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, newton_schulz="fast")
