@@ -31,6 +31,21 @@ def test_extract_smoke(tmp_path):
     assert "extract.cpu.bytes_per_token = " in out
 
 
+def test_newton_schulz_smoke(tmp_path):
+    """Gram Newton-Schulz against torch's iteration at a SmolLM2-shaped draft's Muon shapes:
+    the wide ones by Gram, at most half as far from the fp64 iteration; o_proj (square) by
+    torch's own function, the same result."""
+    out = smoke("newton_schulz.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "bench_newton_schulz.json").read_text())["rows"]
+    assert [(r["matrices"], r["gram"]) for r in rows] == [
+        ("fc", True), ("q", True), ("k, v", True), ("o", False), ("gate, up, down", True),
+    ]  # fmt: skip
+    assert all(r["ours_to_exact"] <= 0.5 * r["torch_to_exact"] for r in rows if r["gram"])
+    assert [r["ours_to_torch"] for r in rows if not r["gram"]] == [0.0]
+    assert "newton_schulz.smollm2.gram_worst_distance_ratio_to_exact = " in out
+    assert "newton_schulz.smollm2.draft_tflop_ours = 0.05" in out
+
+
 def test_train_smoke(tmp_path):
     """Its verifier passes the verifier checks (a tokenizer with a chat template), and each
     variant trains a draft of --num-layers layers."""
