@@ -231,7 +231,7 @@ def muon_layout(cfg, trainer_class) -> str | None:
     batched = getattr(trainer_class, "batched_muon", False) and torch.cuda.is_available()
     if cfg.optimizer != "muon" or not batched:
         return None
-    gram = ", wide ones by Gram Newton-Schulz" if cfg.newton_schulz == "gram" else ""
+    gram = ", large wide ones by Gram Newton-Schulz" if cfg.newton_schulz == "gram" else ""
     return f"batched up to {BATCH_MAX_ELEMENTS} elements{gram}"
 
 

@@ -212,7 +212,7 @@ def test_the_muon_layout_enters_the_resume_fingerprint(monkeypatch):
     assert train.muon_layout(cfg, StreamingTrainer) == "batched up to 2097152 elements"
     gram = SimpleNamespace(optimizer="muon", newton_schulz="gram")
     assert train.muon_layout(gram, StreamingTrainer) == (
-        "batched up to 2097152 elements, wide ones by Gram Newton-Schulz"
+        "batched up to 2097152 elements, large wide ones by Gram Newton-Schulz"
     )
     assert train.muon_layout(SimpleNamespace(optimizer="adamw"), StreamingTrainer) is None
     from speculators.train.trainer import Trainer
