@@ -58,8 +58,9 @@ It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
 speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd),
 muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
 contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
-contended.vs_quiet, pack_fill (the workflow's default packing, ffd, over one epoch of the
-bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 2026-12-04) and
+contended.vs_quiet and contended.vs_quiet_per_pair (the worst pair), the same as
+ffd.contended.* for ours_ffd+contend, gram.speedup_vs_standard (min), pack_fill (the
+workflow's default packing, ffd, over one epoch of the bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 2026-12-04) and
 ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
@@ -85,17 +86,20 @@ start more slowly):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 12 --repeat 3 \
          --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
-  2. two H200s (nvidia-h200-x2), about 6 min, 17 runs (not run as one call: ffd packing ran on
-     one H200, the same training on GPU 1 of the x2 host, both 2026-12-01, BENCHMARKS.md; the
-     DDP part has not run): on GPU 0 packing, ours and the old loader under contention (24 busy
-     processes on its 32 cores) and same training over 50 steps; then DDP with and without the
-     buffer broadcast, against that call's one-GPU ours:
-       python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
+  2. two H200s (nvidia-h200-x2), perhaps 12 min, 27 runs (not run as one call: ffd packing
+     ran on one H200, the same training on GPU 1 of the x2 host, both 2026-12-01,
+     BENCHMARKS.md; the DDP part has not run since the sync fix's three calls): on GPU 0 the
+     default packing, the default recipe, ours and the old loader under contention (24 busy
+     processes on its 32 cores) and same training over 50 steps; then DDP of ours with and
+     without the buffer broadcast and of the default recipe (the workflow's train rule), each
+     against its own one-GPU run of the call (``scaling_lines``):
+       python3 bench/train.py --samples 240 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 24 --repeat 2 --same-training 50 \
-         --variants ours,ours_ffd,ours+contend,ours_1thread+contend && \
-       torchrun --nproc-per-node 2 bench/train.py --samples 120 --steps 28 --warmup 8 \
-         --profile-steps 0 --repeat 3 --variants ours,ours_nobcast \
+         --variants ours,ours_ffd,ours_muon_ffd,ours_ffd+contend,ours_1thread+contend && \
+       torchrun --nproc-per-node 2 bench/train.py --samples 240 --steps 28 --warmup 8 \
+         --profile-steps 0 --repeat 3 --variants ours,ours_nobcast,ours_muon_ffd \
          --baseline /tmp/eagle3-bench-train/bench_train.json
+     (queue bench/queues/train-2gpu.txt)
   3. one H200, 7 runs, perhaps 12 min (its first two runs ran on 2026-12-05, BENCHMARKS.md:
      CUDA graphs 9.7 x slower with the same losses, logging every step; every run
      compiles the draft anew: their first steps took 2 min 02 s and 40 s): a SmolLM2-sized
@@ -816,7 +820,8 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
       (with its own) against speculators_cli (its CLI defaults); ours_muon_ffd against
       ours_muon_ffd_standard (Gram Newton-Schulz against torch's iteration; with --log-every
       the largest relative difference between their losses too);
-    - ours+contend (busy processes in the window) against quiet ours;
+    - ours+contend and ours_ffd+contend (busy processes in the window) against quiet ours
+      and ours_ffd: medians, and per pair;
     - ours_ffd against ours (fuller batches);
     - ours_muon_ffd_cg and ours_muon_ffd_cppwrap against ours_muon_ffd: tokens/s per pair,
       and where the runs logged their losses (--log-every), the largest relative difference
@@ -881,14 +886,18 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
-    contended = median_of(results, "ours" + CONTEND)
-    if contended is not None:
-        waits = [r["data_wait_fraction"] for r in results if r["name"] == "ours" + CONTEND]
-        summary["contended"] = {"tokens_per_s": contended, "data_wait_fractions": waits}
-        lines.append(f"train.{tag}.contended.tokens_per_s = {contended:.0f}")
-        lines.append(f"train.{tag}.contended.data_wait_fraction = {max(waits):.4f} (max)")
-        if ours is not None:
-            lines.append(f"train.{tag}.contended.vs_quiet = {contended / ours:.3f}")
+    for prefix, quiet in (("", "ours"), ("ffd.", "ours_ffd")):  # busy processes beside it
+        contended = median_of(results, quiet + CONTEND)
+        if contended is None:
+            continue
+        waits = [r["data_wait_fraction"] for r in results if r["name"] == quiet + CONTEND]
+        summary[f"{prefix}contended"] = {"tokens_per_s": contended, "data_wait_fractions": waits}
+        lines.append(f"train.{tag}.{prefix}contended.tokens_per_s = {contended:.0f}")
+        lines.append(f"train.{tag}.{prefix}contended.data_wait_fraction = {max(waits):.4f} (max)")
+        if median_of(results, quiet) is not None:
+            vs_quiet = contended / median_of(results, quiet)
+            lines.append(f"train.{tag}.{prefix}contended.vs_quiet = {vs_quiet:.3f}")
+            comparison(f"{prefix}contended.vs_quiet_per_pair", quiet + CONTEND, quiet)
     for name in (n for n in ("ours_1thread" + CONTEND, "ours_1thread") if median_of(results, n)):
         waits = [r["data_wait_fraction"] for r in results if r["name"] == name]
         lines.append(
@@ -1035,6 +1044,24 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
         f"train.{tag}.torch_muon.step_ms = {ms['Muon']:.2f}",
     ]
     return summary, lines
+
+
+def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: str) -> list[str]:
+    """Each variant's median tokens/s under DDP against ``processes`` times its median in the
+    one-GPU run ``single`` (bench_train.json's results), or ours' there where the one-GPU run
+    lacks it (ours_nobcast: it differs from ours only under DDP)."""
+    one_gpu = {r.get("name", r.get("variant")) for r in single}
+    lines = []
+    for name in dict.fromkeys(r["name"] for r in results):
+        base = name if name in one_gpu else "ours"
+        one = float(np.median([r["tokens_per_s"] for r in single
+                               if r.get("name", r.get("variant")) == base]))  # fmt: skip
+        mine = median_of(results, name)
+        key = "" if name == "ours" else f".{name.removeprefix('ours_')}"
+        if key:  # ours' tokens/s is printed with the other keys
+            lines.append(f"train.{tag}{key}.tokens_per_s = {mine:.0f}")
+        lines.append(f"train.{tag}{key}.scaling_efficiency = {mine / (processes * one):.3f}")
+    return lines
 
 
 def sync() -> None:
@@ -1193,22 +1220,8 @@ def main() -> None:
         lines.append("fp8 / bf16 per pair: " + ", ".join(f"{x:.3f}" for x in fp8))
         lines.append(f"train.{tag}.fp8_vs_bf16_tokens_per_s = {float(np.median(fp8)):.3f}")
     if args.baseline and processes > 1:
-        single = json.loads(Path(args.baseline).read_text())
-        one = float(
-            np.median(
-                [
-                    r["tokens_per_s"]
-                    for r in single["results"]
-                    if r.get("name", r["variant"]) == "ours"
-                ]
-            )
-        )
-        for name in dict.fromkeys(r["name"] for r in results):
-            mine = median_of(results, name)
-            key = "" if name == "ours" else f".{name.removeprefix('ours_')}"
-            if key:  # ours' tokens/s is above
-                lines.append(f"train.{tag}{key}.tokens_per_s = {mine:.0f}")
-            lines.append(f"train.{tag}{key}.scaling_efficiency = {mine / (processes * one):.3f}")
+        single = json.loads(Path(args.baseline).read_text())["results"]
+        lines += scaling_lines(results, single, processes, tag)
     wall = round(time.perf_counter() - t_start)
     summary.update(
         {

@@ -46,6 +46,7 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
     assert "train.h200.contended.tokens_per_s = 44000" in lines
     assert "train.h200.contended.data_wait_fraction = 0.0150 (max)" in lines
     assert "train.h200.contended.vs_quiet = 0.978" in lines
+    assert "train.h200.contended.vs_quiet_per_pair = 0.957" in lines  # 44000 / 46000
     batched = summary["batched_muon.speedup_vs_torch_muon"]
     assert batched["pairs"] == [1.2, 1.0, 1.45] and batched["against"] == "ours_muon_torch"
     assert "train.h200.batched_muon.speedup_vs_torch_muon = 1.000" in lines
@@ -238,3 +239,37 @@ def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
         "ours_muon_ffd_cg",
         "ours_muon_ffd_cppwrap",
     ]
+
+
+def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench):
+    """Under DDP each variant is set against its own one-GPU median (the default recipe
+    against the default recipe), ours_nobcast, which differs only under DDP, against ours."""
+    single = [run("ours", 50000), run("ours", 52000), run("ours_muon_ffd", 24000)]
+    ddp = [run("ours", 90000), run("ours_nobcast", 96000), run("ours_muon_ffd", 45600)]
+    lines = bench.scaling_lines(ddp, single, 2, "2xh200")
+    assert lines == [
+        "train.2xh200.scaling_efficiency = 0.882",  # 90000 / (2 * 51000)
+        "train.2xh200.nobcast.tokens_per_s = 96000",
+        "train.2xh200.nobcast.scaling_efficiency = 0.941",
+        "train.2xh200.muon_ffd.tokens_per_s = 45600",
+        "train.2xh200.muon_ffd.scaling_efficiency = 0.950",  # 45600 / (2 * 24000)
+    ]
+
+
+def test_summary_reports_the_default_packing_under_contention(bench):
+    """ours_ffd+contend (the default packing with busy processes beside it) against quiet
+    ours_ffd, as ours+contend against ours: tokens/s, the worst data wait, the ratio of the
+    medians and the worst pair."""
+    results = []
+    for k in range(3):
+        results += [
+            run("ours_ffd", [57000, 58000, 56000][k], 0.001) | {"window_fill": 0.94},
+            run("ours_ffd+contend", [51000, 57000, 55000][k], [0.02, 0.003, 0.001][k]),
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    assert "train.h200.ffd.contended.tokens_per_s = 55000" in lines
+    assert "train.h200.ffd.contended.data_wait_fraction = 0.0200 (max)" in lines
+    assert "train.h200.ffd.contended.vs_quiet = 0.965" in lines  # 55000 / 57000
+    assert summary["ffd.contended.vs_quiet_per_pair"]["pairs"] == [0.895, 0.983, 0.982]
+    assert "train.h200.ffd.contended.vs_quiet_per_pair = 0.895" in lines
+    assert "contended" not in summary  # no ours+contend runs
