@@ -2,7 +2,8 @@
 iteration (speculators' Muon), matrix by matrix, at a draft's real Muon shapes.
 
 For every oriented shape (m x n, m <= n) of the draft's Muon matrices and several kinds of
-input (Gaussian, rank 16 plus noise, power-law singular values), both results are compared
+input (Gaussian; rank 16 plus noise; power-law singular values; Gaussian with 4 of its n
+columns 10^3 times the rest, as from a few large input channels), both results are compared
 with the same iteration in fp64: the relative Frobenius distance of torch's bf16 result and
 of ours (``muon._orthogonalised``, one matrix at a time as the train job takes large ones),
 and of ours to torch's. Where a GPU is present, each one's time (median of ``--repeat``
@@ -10,7 +11,7 @@ synchronised calls after a warm-up). Writes ``--out``/bench_newton_schulz.json a
 table and ``key = value`` lines.
 
     python3 bench/newton_schulz.py --shape llama8b --out /tmp/ns    # a GPU: seconds
-    python3 bench/newton_schulz.py --shape llama8b --out /tmp/ns    # a 2-core CPU: 6.5 min
+    python3 bench/newton_schulz.py --shape llama8b --out /tmp/ns    # a 2-core CPU: about 9 min
     python3 bench/newton_schulz.py --smoke                          # SmolLM2 shapes, Gaussian
 """
 
@@ -51,6 +52,10 @@ def matrix(kind: str, m: int, n: int, gen: torch.Generator, device) -> torch.Ten
         return randn(m, n)
     if kind == "lowrank":
         return randn(m, 16) @ randn(16, n) * 3 + 0.1 * randn(m, n)
+    if kind == "outliers":  # a few input channels far larger than the rest
+        g = randn(m, n)
+        g[:, :4] *= 1e3
+        return g
     if kind == "powerlaw":
         u, _ = torch.linalg.qr(randn(m, m))
         v, _ = torch.linalg.qr(randn(n, m))
@@ -97,7 +102,7 @@ def seconds(fn, g: torch.Tensor, repeat: int) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
-    ap.add_argument("--kinds", default="gauss,lowrank,powerlaw")
+    ap.add_argument("--kinds", default="gauss,lowrank,powerlaw,outliers")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="--shape smollm2 --kinds gauss")

@@ -14,16 +14,19 @@ once (stacked), not one matrix's at a time. ``gpu_optimizers`` gives it the matr
 launches take the time, to torch's Muon as built where train.newton_schulz is standard.
 
 ``gpu_optimizers`` with "gram" (train.newton_schulz's default) gives those large matrices to a
-BatchedMuon that takes them one at a time and orthogonalises the wide ones (m x n, n > 1.5 m
-once oriented) by Gram Newton-Schulz (Zhang, Amsel, Chen and Dao, "Gram Newton-Schulz",
-2026): the same polynomial iteration written as X_k = Q_k X_0, Q_k a polynomial in the m x m
-Gram matrix X_0 X_0^T, so that the steps multiply m x m matrices instead of m x n ones: for
-five steps 8 m^2 n + 28 m^3 FLOPs instead of 20 m^2 n + 10 m^3 (a 4096 x 14336 MLP matrix: 30 %
-fewer). In exact arithmetic the result is torch's. In half precision the Gram form drifts
-unless restarted, so, as its authors do, it starts afresh from X_2 after two steps, and it
-runs in fp16 (three mantissa bits more than bf16; the input is divided by its norm first, as
-torch does). Its result is closer to the exact (fp64) iteration than torch's bf16 one
-(tests/test_muon.py states the tolerance; bench/newton_schulz.py checks the real shapes)."""
+BatchedMuon that takes them one after another as torch does and orthogonalises the wide ones
+(m x n, n > 1.5 m once oriented) by Gram Newton-Schulz (Zhang, Amsel, Chen and Dao, "Gram
+Newton-Schulz", 2026): the same polynomial iteration written as X_k = Q_k X_0, Q_k a
+polynomial in the m x m Gram matrix X_0 X_0^T, so that the steps multiply m x m matrices
+instead of m x n ones: for five steps 8 m^2 n + 28 m^3 FLOPs instead of 20 m^2 n + 10 m^3 (a
+4096 x 14336 MLP matrix: 30 % fewer). In exact arithmetic the result is torch's. In half
+precision the Gram form drifts unless restarted, so, as its authors do, it starts afresh from
+X_2 after two steps (and every three steps after that, for more than five); it runs in fp16
+(three mantissa bits more than bf16) with X scaled by 2^7 so that small entries keep fp16's
+precision. Its result is closer to the exact (fp64) iteration than torch's bf16 one, except
+where a few columns are 10^3 or more times the rest: the Gram matrix squares that range, and
+the result is then up to about 3 x farther, within 0.02 of it (tests/test_muon.py;
+bench/newton_schulz.py at a draft's real shapes). Sharded (FSDP) matrices take torch's step."""
 
 from __future__ import annotations
 
@@ -53,8 +56,22 @@ def _newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Ten
 
 
 # Gram Newton-Schulz starts afresh (X_k = Q_k X_0 formed, its Gram matrix recomputed) before
-# this step: its authors' choice for five steps in half precision.
+# this step, its authors' choice for five steps in half precision, and every GRAM_SPAN steps
+# after it (none in five steps): Q then spans at most GRAM_SPAN steps, its eigenvalues at most
+# a^3 = 40.9, and the scaled X_k it multiplies stays in fp16's range.
 GRAM_RESTART = 2
+GRAM_SPAN = 3
+# X is held times this in fp16 (its Gram matrix times the square): a normalised matrix's
+# entries and Gram matrix are small (about 1 / sqrt(m n) and 1 / m), and an input with a few
+# large columns leaves the rest far smaller, below fp16's normal range (6.1e-5) unscaled; the
+# Gram matrix's eigenvalues stay below 1.45 (the quintic maps [0, 1] into [0, 1.21]), so
+# scaled by 2^14 they and every product stay below 2.4e4, under fp16's 65504.
+GRAM_SCALE = 2.0**7
+
+
+def _restarts(steps: int) -> set[int]:
+    """The steps Gram Newton-Schulz restarts before."""
+    return set(range(GRAM_RESTART, steps, GRAM_SPAN)) - {0}
 
 
 def newton_schulz_flops(m: int, n: int, steps: int, gram: bool) -> int:
@@ -62,15 +79,16 @@ def newton_schulz_flops(m: int, n: int, steps: int, gram: bool) -> int:
     steps: torch's iteration, or ``_gram_newton_schulz``'s."""
     if not gram:
         return steps * (4 * m * m * n + 2 * m**3)
-    restarted = 0 < GRAM_RESTART < steps
+    restarts = _restarts(steps)
     square = 0
     for k in range(steps):
         square += 2  # the Gram matrix squared
-        if k not in (0, GRAM_RESTART):
+        if k != 0 and k not in restarts:
             square += 2  # Q_k = P_k Q_(k-1)
-        if k + 1 < steps and k + 1 != GRAM_RESTART:
+        if k + 1 < steps and k + 1 not in restarts:
             square += 4  # the next Gram matrix, P_k (A_k P_k)
-    wide = 2 + 4 * restarted + 2  # X_0 X_0^T; at the restart Q X_0 and its Gram; Q X_0 at the end
+    # X_0 X_0^T; at each restart Q X_0 and its Gram matrix; Q X_0 at the end
+    wide = 2 + 4 * len(restarts) + 2
     return wide * m * m * n + square * m**3
 
 
@@ -82,22 +100,27 @@ def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -
     """torch's iteration for a stack (B, m, n) with m <= n, in Gram form and fp16: each matrix
     divided by its own Frobenius norm (in fp32), then X_(k+1) = P_k X_k with P_k = a I + b A_k
     + c A_k^2 and A_k = X_k X_k^T, carried as X_k = Q_k X_0 and A_(k+1) = P_k A_k P_k (the
-    matrices commute), restarted from X_k before step GRAM_RESTART."""
+    matrices commute), restarted from X_k before the steps of ``_restarts``. X is held scaled
+    by GRAM_SCALE and A by its square, so that small entries stay in fp16's normal range."""
     a, b, c = coefficients
-    norms = torch.linalg.vector_norm(stacked, dim=(1, 2), keepdim=True, dtype=torch.float32)
-    x = (stacked.float() / norms.clamp(min=eps)).half()
-    gram = torch.bmm(x, x.mT)
-    q = None
+    t = GRAM_SCALE
+    s = t * t
+    x = stacked.float()
+    norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
+    x = (x * (t / norms.clamp(min=eps))).half()
+    gram = torch.bmm(x, x.mT)  # s A_0
+    q, restarts = None, _restarts(steps)
     for k in range(steps):
-        if k == GRAM_RESTART and q is not None:
+        if k in restarts:
             x = torch.bmm(q, x)
             gram, q = torch.bmm(x, x.mT), None
-        p = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        p = torch.baddbmm(gram, gram, gram, beta=b / s, alpha=c / (s * s))
         p.diagonal(dim1=1, dim2=2).add_(a)
         q = p if q is None else torch.bmm(p, q)
-        if k + 1 < steps and k + 1 != GRAM_RESTART:
+        if k + 1 < steps and k + 1 not in restarts:
             gram = torch.bmm(p, torch.bmm(gram, p))
-    return x if q is None else torch.bmm(q, x)
+    out = x if q is None else torch.bmm(q, x)
+    return out.float().mul_(1 / t)
 
 
 def _by_shape(updates: list[Tensor]) -> dict[tuple, list[int]]:
@@ -143,11 +166,22 @@ def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float,
 def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentum: float,
                  nesterov: bool, ns_coefficients, ns_steps: int, eps: float,
                  adjust_lr_fn, gram: bool = False, batched: bool = True) -> None:  # fmt: skip
-    """One Muon step over ``params`` (torch's ``_single_tensor_muon``, its elementwise work as
-    foreach operations; ``_orthogonalised``'s ``gram`` and ``batched``)."""
+    """One Muon step over ``params``: torch's ``_single_tensor_muon``, with ``batched`` its
+    elementwise work as foreach operations and the matrices of one shape orthogonalised
+    together, else one matrix after another as torch does (one matrix's update held at a
+    time); by Gram Newton-Schulz where ``gram`` (``_orthogonalised``)."""
+    if not batched:
+        for p, grad, buf in zip(params, grads, bufs, strict=True):
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if nesterov else buf
+            (ortho,) = _orthogonalised([update], ns_coefficients, ns_steps, eps, gram=gram,
+                                       batched=False)  # fmt: skip
+            p.mul_(1 - lr * weight_decay)
+            p.add_(ortho, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape))
+        return
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
-    ortho = _orthogonalised(updates, ns_coefficients, ns_steps, eps, gram=gram, batched=batched)
+    ortho = _orthogonalised(updates, ns_coefficients, ns_steps, eps, gram=gram, batched=True)
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     by_alpha: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, o in zip(params, ortho, strict=True):
@@ -174,6 +208,9 @@ class BatchedMuon(torch.optim.Muon):
             raise ValueError(f"newton_schulz must be one of {NEWTON_SCHULZ}, not {newton_schulz!r}")
         super().__init__(params, **settings)
         self.gram, self.batched = newton_schulz == "gram", batched
+
+    def __getstate__(self):  # a copy or pickle keeps the settings (torch's keeps its own only)
+        return {**super().__getstate__(), "gram": self.gram, "batched": self.batched}
 
     @torch.no_grad()
     def step(self, closure=None):

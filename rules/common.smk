@@ -329,9 +329,11 @@ def extract_section():
 
 def train_section():
     """The train section as its rule's parameter: GPU, node and loader-thread counts are
-    resources (like the GPUs of one node, the nodes set how many processes share the work).
+    resources (like the GPUs of one node, the nodes set how many processes share the work);
+    newton_schulz only when not gram, its default (runs made before the key stay current).
     """
-    return section("train", drop=("gpus", "nodes", "loader_threads"))
+    gram = ("newton_schulz",) if config["train"]["newton_schulz"] == "gram" else ()
+    return section("train", drop=("gpus", "nodes", "loader_threads", *gram))
 
 
 def train_resources():

@@ -215,6 +215,22 @@ def test_changing_gpu_and_node_counts_reruns_nothing(ws, monkeypatch):
     assert "Nothing to be done" in out and job_counts(out) == {}, out
 
 
+def test_newton_schulz_gram_reruns_nothing_and_standard_reruns_train(ws):
+    """train.newton_schulz: gram, its default, leaves the train rule's parameters and stamp as
+    runs before the key made them; standard (torch's iteration on a GPU) reruns train and what
+    follows it. Dry runs: the results stay as they were."""
+    stamp = ws.results / "checkpoint" / "provenance-train.json"
+    assert "newton_schulz" not in stamp.read_text()
+    ws.write(train={"newton_schulz": "gram"})
+    gram = ws.run("-n")
+    ws.write(train={"newton_schulz": "standard"})
+    standard = ws.run("-n")
+    ws.write(train={"newton_schulz": "gram"})
+    assert "Nothing to be done" in gram and job_counts(gram) == {}, gram
+    assert "train" in job_counts(standard) and "extract" not in job_counts(standard), standard
+    assert "Nothing to be done" in ws.run("-n")
+
+
 def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
     """data.train.dedupe: false is how every run before the key was made (the rules' parameters
     leave it out); true changes the prepared samples, so prepare and what follows rerun. The
