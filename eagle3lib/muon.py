@@ -31,6 +31,8 @@ Sharded (FSDP) matrices take torch's step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -39,7 +41,8 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 # made the Muon step of a SmolLM2-shaped draft (matrices of at most 576 x 1728, about 1.0 M
 # elements) 2.5 x faster and that of a Llama-8B-shaped one 5.6 % slower; the smallest matrix
 # of an 8B-shaped draft of any depth (k and v of the layers after the first: 1024 x 4096,
-# 4.2 M) is above this bound, so such drafts keep torch's Muon.
+# 4.2 M) is above this bound, so such drafts' matrices are taken one at a time (by torch's
+# Muon as built with train.newton_schulz: standard).
 BATCH_MAX_ELEMENTS = 1 << 21
 
 
@@ -97,6 +100,20 @@ def _gram_pays(m: int, n: int, steps: int) -> bool:
     return newton_schulz_flops(m, n, steps, True) < newton_schulz_flops(m, n, steps, False)
 
 
+@contextlib.contextmanager
+def _fp32_accumulation():
+    """fp16 matmuls that sum in fp32 throughout: torch lets cuBLAS reduce split-K partial sums
+    in fp16 by default, and the scaled Gram matrix's square (up to 6e8 before its alpha scales
+    it back) would overflow there."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = before
+
+
 def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     """torch's iteration for a stack (B, m, n) with m <= n, in Gram form and fp16: each matrix
     divided by its own Frobenius norm (in fp32), then X_(k+1) = P_k X_k with P_k = a I + b A_k
@@ -109,18 +126,19 @@ def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -
     x = stacked.float()
     norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
     x = (x * (t / norms.clamp(min=eps))).half()
-    gram = torch.bmm(x, x.mT)  # s A_0
-    q, restarts = None, _restarts(steps)
-    for k in range(steps):
-        if k in restarts:
-            x = torch.bmm(q, x)
-            gram, q = torch.bmm(x, x.mT), None
-        p = torch.baddbmm(gram, gram, gram, beta=b / s, alpha=c / (s * s))
-        p.diagonal(dim1=1, dim2=2).add_(a)
-        q = p if q is None else torch.bmm(p, q)
-        if k + 1 < steps and k + 1 not in restarts:
-            gram = torch.bmm(p, torch.bmm(gram, p))
-    out = x if q is None else torch.bmm(q, x)
+    with _fp32_accumulation():
+        gram = torch.bmm(x, x.mT)  # s A_0
+        q, restarts = None, _restarts(steps)
+        for k in range(steps):
+            if k in restarts:
+                x = torch.bmm(q, x)
+                gram, q = torch.bmm(x, x.mT), None
+            p = torch.baddbmm(gram, gram, gram, beta=b / s, alpha=c / (s * s))
+            p.diagonal(dim1=1, dim2=2).add_(a)
+            q = p if q is None else torch.bmm(p, q)
+            if k + 1 < steps and k + 1 not in restarts:
+                gram = torch.bmm(p, torch.bmm(gram, p))
+        out = x if q is None else torch.bmm(q, x)
     return out.float().mul_(1 / t)
 
 

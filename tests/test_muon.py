@@ -498,3 +498,23 @@ def test_one_at_a_time_muon_equals_torchs_for_matrices_without_a_gram_form(neste
     theirs, their_bufs = run(torch.optim.Muon)
     for a, b in zip(ours + our_bufs, theirs + their_bufs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_gram_newton_schulz_sums_in_fp32_and_restores_torchs_setting():
+    """The scaled Gram matrix's square exceeds fp16's range before its alpha scales it back:
+    cuBLAS may not reduce partial sums in fp16 while the Gram form runs, and torch's setting
+    is as before after it (here torch's default, True)."""
+    matmul = torch.backends.cuda.matmul
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("bmm", "baddbmm"):
+                seen.append(matmul.allow_fp16_reduced_precision_reduction)
+            return func(*args, **(kwargs or {}))
+
+    assert matmul.allow_fp16_reduced_precision_reduction
+    with Spy():
+        muon._gram_newton_schulz(torch.randn(1, 16, 48), COEFFICIENTS, 5, 1e-7)
+    assert seen and not any(seen)
+    assert matmul.allow_fp16_reduced_precision_reduction
