@@ -8,7 +8,7 @@ with the same iteration in fp64: the relative Frobenius distance of torch's bf16
 of ours (``muon._orthogonalised``, one matrix at a time as the train job takes large ones),
 and of ours to torch's. With ``--verifier-states`` (SmolLM2 shapes), also the fc matrix's
 gradient from SmolLM2-135M-Instruct's own hidden states (the packaged GGUF, the demo's
-verifier: real text, massive activations included), each layer RMS-normalised as the draft
+verifier, on real text), each layer RMS-normalised as the draft
 does before fc, times a Gaussian upstream gradient. Where a GPU is present, each one's time
 (median of ``--repeat``
 synchronised calls after a warm-up). Writes ``--out``/bench_newton_schulz.json and prints a
@@ -103,16 +103,6 @@ def verifier_states() -> torch.Tensor:
     return torch.cat([h * h.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() for h in states], -1)
 
 
-def exact(g: torch.Tensor) -> torch.Tensor:
-    """torch's iteration in fp64."""
-    a, b, c = COEFFICIENTS
-    x = g.double() / g.double().norm()
-    for _ in range(STEPS):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x
-
-
 def ours(g: torch.Tensor) -> torch.Tensor:
     return muon._orthogonalised([g], COEFFICIENTS, STEPS, EPS, gram=True, batched=False)[0]
 
@@ -167,7 +157,7 @@ def main() -> None:
             g = upstream.T @ states
         else:
             g = matrix(kind, m, n, gen, device)
-        ref = exact(g)
+        ref = muon.exact_newton_schulz(g, COEFFICIENTS, STEPS)
         mine, theirs = ours(g), torchs(g)
         rows.append({
             "matrices": name, "m": m, "n": n, "kind": kind,

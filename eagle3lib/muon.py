@@ -142,6 +142,19 @@ def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -
     return out.float().mul_(1 / t)
 
 
+def exact_newton_schulz(g: Tensor, coefficients, steps: int) -> Tensor:
+    """torch's iteration on ``g`` in fp64, in ``g``'s orientation: the reference the checks of
+    the Gram form measure distances to (tests/test_muon.py, bench/newton_schulz.py)."""
+    a, b, c = coefficients
+    tall = g.shape[0] > g.shape[1]
+    x = (g.T if tall else g).double()
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
 def _by_shape(updates: list[Tensor]) -> dict[tuple, list[int]]:
     """Indices of ``updates`` grouped by the shape torch orthogonalises them in (rows <=
     columns: a tall matrix is transposed), device and dtype."""
@@ -162,8 +175,8 @@ def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float,
     groups = _by_shape(updates) if batched else {i: [i] for i in range(len(updates))}
     for indices in groups.values():
         first = updates[indices[0]]
-        m, n = sorted(first.shape)
-        if not (gram and _gram_pays(m, n, steps)) and not batched:
+        use_gram = gram and _gram_pays(*sorted(first.shape), steps)
+        if not use_gram and not batched:
             out[indices[0]] = _zeropower_via_newtonschulz(first, coefficients, steps, eps).to(
                 first.dtype
             )
@@ -172,7 +185,7 @@ def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float,
         stacked = torch.stack(
             [updates[i].T if t else updates[i] for i, t in zip(indices, tall, strict=True)]
         )
-        if gram and _gram_pays(m, n, steps):
+        if use_gram:
             ortho = _gram_newton_schulz(stacked, coefficients, steps, eps)
         else:
             ortho = _newton_schulz(stacked.bfloat16(), coefficients, steps, eps)

@@ -268,14 +268,7 @@ COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def exact(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    a, b, c = COEFFICIENTS
-    tall = g.shape[0] > g.shape[1]
-    x = (g.T if tall else g).double()
-    x = x / x.norm()
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return muon.exact_newton_schulz(g, COEFFICIENTS, steps)
 
 
 def distance(x: torch.Tensor, ref: torch.Tensor) -> float:
