@@ -17,6 +17,9 @@ model are used by both. Variants (``VARIANTS``):
                           (both with train.newton_schulz: gram, the default since 2026-12-05)
     ours_muon_ffd_standard ours_muon_ffd with train.newton_schulz: standard (torch's iteration
                           for every matrix, the train job's Muon before 2026-12-05)
+    ours_muon_ffd_every_rank ours_muon_ffd whose DDP ranks each orthogonalise every Muon
+                          matrix (the train job before 2026-12-05 split them over the ranks:
+                          muon.Ranks); on one GPU the same as ours_muon_ffd
     ours_ffd              ours with train.packing: ffd (the workflow's default since
                           2026-12-04: fuller batches); ours itself packs as speculators does
     ours_fp8              ours on fp8 shards of the same states
@@ -66,7 +69,8 @@ ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relati
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
 SAME_TRAINING_BF16_RTOL); cuda_graphs.speedup and cpp_wrapper.speedup (min), with --log-every
 their .max_loss_relative_difference, and the CUDA graphs runs' regions run without graphs;
-under torchrun with --baseline, scaling_efficiency per variant.
+under torchrun with --baseline, scaling_efficiency per variant, and a line for any run
+whose ranks ended with different weights (``ranks_agree``).
 Writes bench_train.json (bench_train_ddp2.json) to --out, and after every run
 bench_train.partial-<rank>.json (what a call cut short keeps). Each run's wall time is in the
 table.
@@ -91,13 +95,15 @@ start more slowly):
      BENCHMARKS.md; the DDP part has not run since the sync fix's three calls): on GPU 0 the
      default packing, the default recipe, ours and the old loader under contention (24 busy
      processes on its 32 cores) and same training over 50 steps; then DDP of ours with and
-     without the buffer broadcast and of the default recipe (the workflow's train rule), each
-     against its own one-GPU run of the call (``scaling_lines``):
+     without the buffer broadcast and of the default recipe (the workflow's train rule) with
+     and without Muon split over the ranks, each against its own one-GPU run of the call
+     (``scaling_lines``):
        python3 bench/train.py --samples 240 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 24 --repeat 2 --same-training 50 \
          --variants ours,ours_ffd,ours_muon_ffd,ours_ffd+contend,ours_1thread+contend && \
        torchrun --nproc-per-node 2 bench/train.py --samples 240 --steps 28 --warmup 8 \
-         --profile-steps 0 --repeat 3 --variants ours,ours_nobcast,ours_muon_ffd \
+         --profile-steps 0 --repeat 3 \
+         --variants ours,ours_nobcast,ours_muon_ffd,ours_muon_ffd_every_rank \
          --baseline /tmp/eagle3-bench-train/bench_train.json
      (queue bench/queues/train-2gpu.txt)
   3. one H200, 7 runs, perhaps 12 min (its first two runs ran on 2026-12-05, BENCHMARKS.md:
@@ -199,6 +205,7 @@ class Variant:
     lr_factor: float = 1.0  # a mutation for --same-training
     compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
     batched_muon: bool = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
+    muon_across_ranks: bool = True  # with batched_muon under DDP: split over the ranks
     newton_schulz: str = TrainConfig.newton_schulz  # train.newton_schulz (with batched_muon)
     # experiments, not train options: how torch.compile's code launches its kernels on a GPU
     cuda_graphs: bool = False  # inductor's CUDA graph trees (mode "reduce-overhead")
@@ -226,6 +233,13 @@ VARIANTS = {
         packing=TrainConfig.packing,
         newton_schulz="standard",
     ),  # fmt: skip
+    # under torchrun: every rank orthogonalises every Muon matrix (as torch's Muon does)
+    "ours_muon_ffd_every_rank": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        muon_across_ranks=False,
+    ),
     # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
     # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
     # an H200), to size the host time Muon's eager ops cost
@@ -628,6 +642,7 @@ def run_variant(
                 "sync_free": not v.syncs,
                 "ddp_broadcast_buffers": v.broadcast_buffers,
                 "batched_muon": v.batched_muon,
+                "muon_across_ranks": v.muon_across_ranks,
             },
         )
     else:
@@ -702,6 +717,9 @@ def run_variant(
         "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
+        # under DDP: whether every rank ended with the same weights (Muon split over the ranks
+        # sends each its update; a lost or misread one would make them differ)
+        "ranks_agree": ranks_agree(clock.trainer.model) if processes > 1 else None,
         "graphs_compiled": compiled_graphs() - graphs_before,
         # compiled regions that ran without CUDA graphs (inductor logs each one's reason)
         "cudagraph_skips": compile_counter("inductor", "cudagraph_skips") - skips_before
@@ -746,6 +764,27 @@ def graph_steps(clock):
         torch.compiler.cudagraph_mark_step_begin()
 
     return after_step
+
+
+def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """Each parameter's bits summed as integers, on its device: equal weights give equal
+    sums, and one changed bit changes its parameter's sum."""
+    sums = []
+    for p in model.parameters():
+        bits = p.detach().contiguous().view(-1)
+        bits = bits.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[bits.element_size()])
+        sums.append(bits.sum(dtype=torch.int64))
+    return torch.stack(sums)
+
+
+def ranks_agree(model: torch.nn.Module) -> bool:
+    """Whether every rank of the default group holds the same weights (``weights_checksum``)."""
+    import torch.distributed as dist
+
+    mine = weights_checksum(model)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(mine, other) for other in every)
 
 
 @contextlib.contextmanager
@@ -1046,14 +1085,18 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
     return summary, lines
 
 
+# variants that differ from another only under DDP: on one GPU they are that one
+ONE_GPU_TWIN = {"ours_nobcast": "ours", "ours_muon_ffd_every_rank": "ours_muon_ffd"}
+
+
 def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: str) -> list[str]:
     """Each variant's median tokens/s under DDP against ``processes`` times its median in the
-    one-GPU run ``single`` (bench_train.json's results), or ours' there where the one-GPU run
-    lacks it (ours_nobcast: it differs from ours only under DDP)."""
+    one-GPU run ``single`` (bench_train.json's results), or its ``ONE_GPU_TWIN``'s there
+    where the one-GPU run lacks it."""
     one_gpu = {r.get("name", r.get("variant")) for r in single}
     lines = []
     for name in dict.fromkeys(r["name"] for r in results):
-        base = name if name in one_gpu else "ours"
+        base = name if name in one_gpu else ONE_GPU_TWIN[name]
         one = float(np.median([r["tokens_per_s"] for r in single
                                if r.get("name", r.get("variant")) == base]))  # fmt: skip
         mine = median_of(results, name)
@@ -1233,6 +1276,8 @@ def main() -> None:
         }
     )
     lines += [f"failed: {f['name']}: {f['error'][:300]}" for f in failures]
+    lines += [f"ranks disagree: {r['variant']} ended with different weights on its ranks"
+              for r in results if r.get("ranks_agree") is False]  # fmt: skip
     kind = "fsdp" if args.fsdp else "ddp"
     name = "bench_train" + (f"_{kind}{processes}" if processes > 1 else "")
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))

@@ -8,8 +8,8 @@ the matrices of one shape (taken in the orientation torch orthogonalises them in
 columns) and runs the same iteration with batched matmuls; the momentum, weight decay and
 update run as foreach operations. Every formula is torch's; the launch grouping differs, so
 the update equals torch's up to the rounding of batched against single matmuls
-(tests/test_muon.py states the tolerance), and the step holds all its matrices' updates at
-once (stacked), not one matrix's at a time. ``gpu_optimizers`` gives it the matrices of at most
+(tests/test_muon.py states the tolerance), and the step holds one shape's updates at once
+(stacked), not one matrix's. ``gpu_optimizers`` gives it the matrices of at most
 ``BATCH_MAX_ELEMENTS`` elements and leaves larger ones, where the GPU's matmuls and not the
 launches take the time, to torch's Muon as built where train.newton_schulz is standard.
 
@@ -27,11 +27,20 @@ precision. Its result is closer to the exact (fp64) iteration than torch's bf16 
 where a few columns are 10^3-10^5 times the rest: the Gram matrix squares that range, and on
 smaller matrices the result was then up to 2.4 x as far (tests/test_muon.py bounds it at 3 x
 and a relative distance of 0.02; bench/newton_schulz.py checks a draft's real shapes).
-Sharded (FSDP) matrices take torch's step."""
+Sharded (FSDP) matrices take torch's step.
+
+Under DDP every rank holds the same averaged gradients, and torch's Muon has each of them
+orthogonalise every matrix. With ``across_ranks`` (the train job's DDP runs) the units (a
+stack of one shape, or one large matrix) are dealt out over the ranks, costliest first, each
+to the least loaded rank (``Ranks.owners``, FLOPs by ``newton_schulz_flops``); a unit's owner
+broadcasts its 16-bit result while the next unit runs, and every rank applies the same bits,
+the unsplit step's (tests/test_muon.py, two gloo processes). The momentum buffers stay on
+every rank, so the saved state is the same as without the split."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -114,12 +123,13 @@ def _fp32_accumulation():
         matmul.allow_fp16_reduced_precision_reduction = before
 
 
-def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
+def _gram_newton_schulz_scaled(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     """torch's iteration for a stack (B, m, n) with m <= n, in Gram form and fp16: each matrix
     divided by its own Frobenius norm (in fp32), then X_(k+1) = P_k X_k with P_k = a I + b A_k
     + c A_k^2 and A_k = X_k X_k^T, carried as X_k = Q_k X_0 and A_(k+1) = P_k A_k P_k (the
     matrices commute), restarted from X_k before the steps of ``_restarts``. X is held scaled
-    by GRAM_SCALE and A by its square, so that small entries stay in fp16's normal range."""
+    by GRAM_SCALE and A by its square, so that small entries stay in fp16's normal range; the
+    result is returned so (fp16, times GRAM_SCALE)."""
     a, b, c = coefficients
     t = GRAM_SCALE
     s = t * t
@@ -138,8 +148,14 @@ def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -
             q = p if q is None else torch.bmm(p, q)
             if k + 1 < steps and k + 1 not in restarts:
                 gram = torch.bmm(p, torch.bmm(gram, p))
-        out = x if q is None else torch.bmm(q, x)
-    return out.float().mul_(1 / t)
+        return x if q is None else torch.bmm(q, x)
+
+
+def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
+    """``_gram_newton_schulz_scaled``'s result in fp32, unscaled (exactly: a power of two)."""
+    return (
+        _gram_newton_schulz_scaled(stacked, coefficients, steps, eps).float().mul_(1 / GRAM_SCALE)
+    )
 
 
 def exact_newton_schulz(g: Tensor, coefficients, steps: int) -> Tensor:
@@ -165,55 +181,112 @@ def _by_shape(updates: list[Tensor]) -> dict[tuple, list[int]]:
     return groups
 
 
+# How a unit of matrices (one, or a stack of one oriented shape) is orthogonalised: "torch"
+# (torch's own function, one matrix), "stacked" (torch's iteration, batched) or "gram"
+Unit = tuple[list[int], str]
+
+
+def _units(like: list[Tensor], steps: int, *, gram: bool, batched: bool) -> list[Unit]:
+    """``like``'s matrices in units orthogonalised together: the matrices of one oriented
+    shape (``batched``) or each alone; by Gram Newton-Schulz where ``gram`` and it takes
+    fewer FLOPs, else by torch's iteration."""
+    groups = _by_shape(like).values() if batched else [[i] for i in range(len(like))]
+    units = []
+    for indices in groups:
+        if gram and _gram_pays(*sorted(like[indices[0]].shape), steps):
+            kind = "gram"
+        else:
+            kind = "stacked" if batched else "torch"
+        units.append((list(indices), kind))
+    return units
+
+
+def _unit_flops(like: list[Tensor], unit: Unit, steps: int) -> int:
+    indices, kind = unit
+    m, n = sorted(like[indices[0]].shape)
+    return len(indices) * newton_schulz_flops(m, n, steps, kind == "gram")
+
+
+def _oriented(u: Tensor) -> Tensor:
+    return u.T if u.shape[0] > u.shape[1] else u
+
+
+def _unit_result(updates: list[Tensor], kind: str, coefficients, steps: int, eps: float) -> Tensor:
+    """A unit's orthogonalisation as the stack (B, m, n), m <= n, of its matrices oriented so
+    and in the 16 bits its iteration leaves them in (what ranks exchange; ``_unpacked`` makes
+    the updates of it): bf16, or for "gram" fp16 times GRAM_SCALE. Contiguous."""
+    if kind == "torch":  # its result is in the input's orientation (a tall one transposed back)
+        return _oriented(_zeropower_via_newtonschulz(updates[0], coefficients, steps, eps))[None]
+    stacked = torch.stack([_oriented(u) for u in updates])
+    if kind == "gram":
+        return _gram_newton_schulz_scaled(stacked, coefficients, steps, eps)
+    return _newton_schulz(stacked.bfloat16(), coefficients, steps, eps)
+
+
+def _empty_result(like: list[Tensor], kind: str) -> Tensor:
+    """Room for the ``_unit_result`` of matrices shaped as ``like``."""
+    dtype = torch.float16 if kind == "gram" else torch.bfloat16
+    return torch.empty((len(like), *sorted(like[0].shape)), dtype=dtype, device=like[0].device)
+
+
+def _unpacked(result: Tensor, kind: str, like: list[Tensor]) -> list[Tensor]:
+    """The updates in ``result`` in the orientation and dtype of ``like`` (from 16 bits, and
+    unscaling by a power of two, exact)."""
+    if kind == "gram":
+        result = result.float().mul_(1 / GRAM_SCALE)
+    return [o.T if u.shape[0] > u.shape[1] else o
+            for u, o in zip(like, result.to(like[0].dtype).unbind(0), strict=True)]  # fmt: skip
+
+
 def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float, *,
                     gram: bool, batched: bool) -> list[Tensor]:  # fmt: skip
-    """Each update's orthogonalisation, in the input's orientation and dtype (bf16 or fp16 to
-    fp32 is exact): the matrices of one shape stacked (``batched``) or one at a time; by Gram
-    Newton-Schulz where ``gram`` and it takes fewer FLOPs, else by torch's iteration (torch's
-    own function where not batched)."""
+    """Each update's orthogonalisation, in the input's orientation and dtype, by the units of
+    ``_units``."""
     out: list[Tensor | None] = [None] * len(updates)
-    groups = _by_shape(updates) if batched else {i: [i] for i in range(len(updates))}
-    for indices in groups.values():
-        first = updates[indices[0]]
-        use_gram = gram and _gram_pays(*sorted(first.shape), steps)
-        if not use_gram and not batched:
-            out[indices[0]] = _zeropower_via_newtonschulz(first, coefficients, steps, eps).to(
-                first.dtype
-            )
-            continue
-        tall = [updates[i].shape[0] > updates[i].shape[1] for i in indices]
-        stacked = torch.stack(
-            [updates[i].T if t else updates[i] for i, t in zip(indices, tall, strict=True)]
-        )
-        if use_gram:
-            ortho = _gram_newton_schulz(stacked, coefficients, steps, eps)
-        else:
-            ortho = _newton_schulz(stacked.bfloat16(), coefficients, steps, eps)
-        ortho = ortho.to(first.dtype)
-        for i, t, o in zip(indices, tall, ortho.unbind(0), strict=True):
-            out[i] = o.T if t else o
+    for indices, kind in _units(updates, steps, gram=gram, batched=batched):
+        like = [updates[i] for i in indices]
+        result = _unit_result(like, kind, coefficients, steps, eps)
+        for i, o in zip(indices, _unpacked(result, kind, like), strict=True):
+            out[i] = o
     return out
 
 
-def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentum: float,
-                 nesterov: bool, ns_coefficients, ns_steps: int, eps: float,
-                 adjust_lr_fn, gram: bool = False, batched: bool = True) -> None:  # fmt: skip
-    """One Muon step over ``params``: torch's ``_single_tensor_muon``, with ``batched`` its
-    elementwise work as foreach operations and the matrices of one shape orthogonalised
-    together, else one matrix after another as torch does (one matrix's update held at a
-    time); by Gram Newton-Schulz where ``gram`` (``_orthogonalised``)."""
+@dataclass(frozen=True)
+class Ranks:
+    """The processes of the default group, each holding the same gradients (DDP): each
+    orthogonalises its share of the units and sends the results to the others."""
+
+    rank: int
+    world: int
+
+    @classmethod
+    def of_default_group(cls) -> Ranks | None:
+        """The default group's ranks, or None outside one (or in one of one process)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def owners(self, costs: list[int]) -> list[int]:
+        """The rank orthogonalising each unit: the costliest first, each to the least loaded
+        rank (the same on every rank: it depends on the costs alone)."""
+        load, owners = [0] * self.world, [0] * len(costs)
+        for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
+            owners[u] = min(range(self.world), key=lambda r: (load[r], r))
+            load[owners[u]] += costs[u]
+        return owners
+
+
+def _apply(params: list[Tensor], ortho: list[Tensor], lr: float, weight_decay: float,
+           adjust_lr_fn, batched: bool) -> None:  # fmt: skip
+    """torch's weight decay and update (its lr scale depends on the matrix's orientation,
+    which a unit's matrices need not share)."""
     if not batched:
-        for p, grad, buf in zip(params, grads, bufs, strict=True):
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if nesterov else buf
-            (ortho,) = _orthogonalised([update], ns_coefficients, ns_steps, eps, gram=gram,
-                                       batched=False)  # fmt: skip
+        for p, o in zip(params, ortho, strict=True):
             p.mul_(1 - lr * weight_decay)
-            p.add_(ortho, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape))
+            p.add_(o, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape))
         return
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    updates = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
-    ortho = _orthogonalised(updates, ns_coefficients, ns_steps, eps, gram=gram, batched=True)
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     by_alpha: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, o in zip(params, ortho, strict=True):
@@ -224,6 +297,61 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
         torch._foreach_add_(ps, us, alpha=alpha)
 
 
+def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentum: float,
+                 nesterov: bool, ns_coefficients, ns_steps: int, eps: float,
+                 adjust_lr_fn, gram: bool = False, batched: bool = True,
+                 ranks: Ranks | None = None) -> None:  # fmt: skip
+    """One Muon step over ``params``: torch's ``_single_tensor_muon``, with ``batched`` its
+    elementwise work as foreach operations and the matrices of one shape orthogonalised
+    together, else one matrix after another as torch does; by Gram Newton-Schulz where
+    ``gram`` (``_units``). Alone, one unit's update is held at a time. Over ``ranks`` every
+    rank updates every momentum buffer and parameter, but each unit is orthogonalised by one
+    rank (``Ranks.owners``) and broadcast from it while the next runs: every rank applies
+    the same bits, each holding all its received results until they are applied."""
+    if batched:
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    else:
+        for buf, grad in zip(bufs, grads, strict=True):
+            buf.lerp_(grad, 1 - momentum)
+    units = _units(bufs, ns_steps, gram=gram, batched=batched)
+    if ranks is None:
+        owners, order = [None] * len(units), range(len(units))
+    else:
+        costs = [_unit_flops(bufs, unit, ns_steps) for unit in units]
+        owners = ranks.owners(costs)
+        order = sorted(range(len(units)), key=lambda u: (-costs[u], u))
+    sent = []
+    for u in order:
+        indices, kind = units[u]
+        unit_params = [params[i] for i in indices]
+        if owners[u] is None or owners[u] == ranks.rank:
+            unit_bufs = [bufs[i] for i in indices]
+            updates = unit_bufs
+            if nesterov:
+                unit_grads = [grads[i] for i in indices]
+                if batched:
+                    updates = torch._foreach_lerp(unit_grads, unit_bufs, momentum)
+                else:
+                    updates = [
+                        g.lerp(b, momentum) for g, b in zip(unit_grads, unit_bufs, strict=True)
+                    ]
+            result = _unit_result(updates, kind, ns_coefficients, ns_steps, eps)
+        else:
+            result = _empty_result(unit_params, kind)
+        if owners[u] is not None:
+            import torch.distributed as dist
+
+            sent.append((u, result, dist.broadcast(result, src=owners[u], async_op=True)))
+            continue
+        ortho = _unpacked(result, kind, unit_params)
+        _apply(unit_params, ortho, lr, weight_decay, adjust_lr_fn, batched)
+    for u, result, work in sent:
+        work.wait()
+        unit_params = [params[i] for i in units[u][0]]
+        ortho = _unpacked(result, units[u][1], unit_params)
+        _apply(unit_params, ortho, lr, weight_decay, adjust_lr_fn, batched)
+
+
 NEWTON_SCHULZ = ("gram", "standard")  # train.newton_schulz
 
 
@@ -232,17 +360,21 @@ class BatchedMuon(torch.optim.Muon):
     momentum buffer per matrix), so its state dict loads into torch's Muon over the same
     matrices and back. ``newton_schulz``: "gram" for Gram Newton-Schulz where it takes fewer
     FLOPs, "standard" for torch's iteration only; ``batched``: the matrices of one shape
-    stacked, or one at a time. Sharded (DTensor) parameters take torch's own step."""
+    stacked, or one at a time; ``across_ranks``: in a default process group of several
+    ranks holding the same gradients (DDP), each orthogonalises its share (``Ranks``), so
+    every rank must step together. Sharded (DTensor) parameters take torch's own step."""
 
     def __init__(self, params, *, newton_schulz: str = "standard", batched: bool = True,
-                 **settings) -> None:  # fmt: skip
+                 across_ranks: bool = False, **settings) -> None:  # fmt: skip
         if newton_schulz not in NEWTON_SCHULZ:
             raise ValueError(f"newton_schulz must be one of {NEWTON_SCHULZ}, not {newton_schulz!r}")
         super().__init__(params, **settings)
         self.gram, self.batched = newton_schulz == "gram", batched
+        self.ranks = Ranks.of_default_group() if across_ranks else None
 
     def __getstate__(self):  # a copy or pickle keeps the settings (torch's keeps its own only)
-        return {**super().__getstate__(), "gram": self.gram, "batched": self.batched}
+        return {**super().__getstate__(), "gram": self.gram, "batched": self.batched,
+                "ranks": self.ranks}  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -266,6 +398,7 @@ class BatchedMuon(torch.optim.Muon):
                     nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
                     ns_steps=group["ns_steps"], eps=group["eps"],
                     adjust_lr_fn=group["adjust_lr_fn"], gram=self.gram, batched=self.batched,
+                    ranks=self.ranks,
                 )  # fmt: skip
         return loss
 
@@ -289,14 +422,20 @@ def _split(muon: torch.optim.Muon) -> tuple[list[dict], list[dict]]:
 
 
 def gpu_optimizers(
-    optimizers: list[torch.optim.Optimizer], newton_schulz: str = "standard"
+    optimizers: list[torch.optim.Optimizer],
+    newton_schulz: str = "standard",
+    across_ranks: bool = False,
 ) -> list[torch.optim.Optimizer]:
     """speculators' optimisers for a GPU run: its Muon's small matrices in a BatchedMuon, its
     large ones, where the matmuls and not the launches take the time, with ``newton_schulz``
     "gram" in one that takes them one at a time by Gram Newton-Schulz where it needs fewer
     FLOPs, with "standard" left to torch's Muon (as built when all are large); the others as
-    built. A mixed draft gets one optimiser more than speculators builds, so its saved
-    training state has another layout (``train._fingerprint`` tells the two apart)."""
+    built. ``across_ranks`` (DDP over several ranks): the BatchedMuons split their
+    orthogonalisation over the ranks, and large matrices with "standard" go to one too (torch's
+    iteration, one at a time), so they are split as well. A mixed draft gets one optimiser more
+    than speculators builds, so its saved training state has another layout
+    (``train._fingerprint`` tells the two apart); splitting over ranks changes no state."""
+    across_ranks = across_ranks and Ranks.of_default_group() is not None
     out: list[torch.optim.Optimizer] = []
     for o in optimizers:
         if type(o) is not torch.optim.Muon:
@@ -306,9 +445,10 @@ def gpu_optimizers(
             raise ValueError("convert Muon before its first step")
         small, large = _split(o)
         if small:
-            out.append(BatchedMuon(small, **o.defaults))
-        if large and newton_schulz == "gram":
-            out.append(BatchedMuon(large, newton_schulz=newton_schulz, batched=False, **o.defaults))
+            out.append(BatchedMuon(small, across_ranks=across_ranks, **o.defaults))
+        if large and (newton_schulz == "gram" or across_ranks):
+            out.append(BatchedMuon(large, newton_schulz=newton_schulz, batched=False,
+                                   across_ranks=across_ranks, **o.defaults))  # fmt: skip
         elif large:
             out.append(torch.optim.Muon(large, **o.defaults) if small else o)
     return out

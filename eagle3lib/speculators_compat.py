@@ -80,7 +80,9 @@ def _cpu_optimizers(original, _context) -> Callable:
 def _batched_muon(original, context: dict[str, Any]) -> Callable:
     from eagle3lib.muon import gpu_optimizers
 
-    return lambda model, config: gpu_optimizers(original(model, config), context["newton_schulz"])
+    return lambda model, config: gpu_optimizers(
+        original(model, config), context["newton_schulz"], context["across_ranks"]
+    )
 
 
 def _fused_adamw(_original, _context) -> Callable:
@@ -259,7 +261,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("batched_muon", f"{_TRAINER}.build_optimizers", _batched_muon, SPECULATORS,
           "on a GPU speculators' Muon (torch's, one matrix at a time) runs batched by matrix "
           "shape (muon.BatchedMuon): torch's formulas in fewer launches, wide matrices by Gram "
-          "Newton-Schulz where context newton_schulz is gram; applied only while "
+          "Newton-Schulz where context newton_schulz is gram, split over DDP's ranks where "
+          "context across_ranks is true (each orthogonalises a share); applied only while "
           "StreamingTrainer.setup_optimizer runs",
           "speculators.train.optimizers.build_optimizers"),
     Patch("sync_free_eagle3", f"{_METRICS}.compute_accuracy_single_step", _sync_free_accuracy,

@@ -153,6 +153,9 @@ class StreamingTrainer(Trainer):
     sync_free = True  # speculators' loss metrics without host syncs (entries sync_free_eagle3)
     batched_muon = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
     newton_schulz = "gram"  # with batched_muon: train.newton_schulz (train.train sets it)
+    # with batched_muon under DDP: each rank orthogonalises a share of Muon's matrices and
+    # broadcasts it (muon.Ranks), instead of every rank all of them (torch's Muon's way)
+    muon_across_ranks = True
 
     progress: TrainingProgress | None = None
     stop_request = StopRequest()  # run_training's: SIGTERM or SIGINT, acted on between steps
@@ -206,7 +209,8 @@ class StreamingTrainer(Trainer):
     def setup_optimizer(self):
         """speculators' optimisers; on a GPU its AdamW runs as one fused kernel (same update)
         and its Muon batched by matrix shape (``batched_muon``), its wide matrices by Gram
-        Newton-Schulz where ``newton_schulz`` is "gram" (``muon.BatchedMuon``)."""
+        Newton-Schulz where ``newton_schulz`` is "gram" (``muon.BatchedMuon``), split over
+        DDP's ranks where ``muon_across_ranks`` (FSDP's sharded matrices take torch's step)."""
         gpu, optimizer = torch.cuda.is_available(), self.config.optimizer
         patches = [
             name
@@ -216,7 +220,10 @@ class StreamingTrainer(Trainer):
             )
             if on
         ]
-        with speculators_patches(*patches, newton_schulz=self.newton_schulz):
+        across_ranks = self.muon_across_ranks and self.is_distributed and not self.config.fsdp_shard
+        with speculators_patches(
+            *patches, newton_schulz=self.newton_schulz, across_ranks=across_ranks
+        ):
             return super().setup_optimizer()
 
     def _prefetched(self, loader, depth: int = 4):

@@ -84,6 +84,30 @@ def test_train_smoke(tmp_path):
     assert "train.cpu.batched_muon.max_relative_difference = " in out
 
 
+def test_train_ddp_smoke_checks_its_ranks_and_scaling(tmp_path):
+    """The DDP part of the two-GPU queue (bench/queues/train-2gpu.txt) on a CPU: torchrun with
+    two gloo ranks, each variant against its own one-process run (ours_muon_ffd_every_rank
+    against ours_muon_ffd), and every run's ranks ending with the same weights. (Muon is split
+    over the ranks on a GPU only; here both variants train alike.)"""
+    one = tmp_path / "one"
+    smoke("train.py", "--profile-steps", "0", "--variants", "ours_muon_ffd", "--out", str(one))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(ROOT / "bench" / "train.py"), "--smoke", "--samples", "120", "--profile-steps", "0",
+         "--variants", "ours_muon_ffd,ours_muon_ffd_every_rank",
+         "--baseline", str(one / "bench_train.json"), "--out", str(tmp_path / "ddp")],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads((tmp_path / "ddp" / "bench_train_ddp2.json").read_text())["results"]
+    assert [(r["variant"], r["ranks_agree"]) for r in results] == [
+        ("ours_muon_ffd_ddp2", True), ("ours_muon_ffd_every_rank_ddp2", True),
+    ]  # fmt: skip
+    assert "train.2xcpu.muon_ffd.scaling_efficiency = " in done.stdout
+    assert "train.2xcpu.muon_ffd_every_rank.scaling_efficiency = " in done.stdout
+    assert "ranks disagree" not in done.stdout
+
+
 def test_train_kernel_launch_experiments_run_and_log_the_same_losses_on_a_cpu(tmp_path):
     """The CUDA graphs and C++ wrapper variants switch inductor settings around their runs
     only; on a CPU, where speculators compiles nothing, their losses equal the default

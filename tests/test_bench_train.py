@@ -1,10 +1,12 @@
 """bench/train.py's summary: which runs pair up and what the keys report."""
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -243,9 +245,11 @@ def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
 
 def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench):
     """Under DDP each variant is set against its own one-GPU median (the default recipe
-    against the default recipe), ours_nobcast, which differs only under DDP, against ours."""
+    against the default recipe), ours_nobcast and ours_muon_ffd_every_rank, which differ only
+    under DDP, against ours and ours_muon_ffd."""
     single = [run("ours", 50000), run("ours", 52000), run("ours_muon_ffd", 24000)]
-    ddp = [run("ours", 90000), run("ours_nobcast", 96000), run("ours_muon_ffd", 45600)]
+    ddp = [run("ours", 90000), run("ours_nobcast", 96000), run("ours_muon_ffd", 45600),
+           run("ours_muon_ffd_every_rank", 40800)]  # fmt: skip
     lines = bench.scaling_lines(ddp, single, 2, "2xh200")
     assert lines == [
         "train.2xh200.scaling_efficiency = 0.882",  # 90000 / (2 * 51000)
@@ -253,6 +257,8 @@ def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench
         "train.2xh200.nobcast.scaling_efficiency = 0.941",
         "train.2xh200.muon_ffd.tokens_per_s = 45600",
         "train.2xh200.muon_ffd.scaling_efficiency = 0.950",  # 45600 / (2 * 24000)
+        "train.2xh200.muon_ffd_every_rank.tokens_per_s = 40800",
+        "train.2xh200.muon_ffd_every_rank.scaling_efficiency = 0.850",
     ]
 
 
@@ -273,3 +279,17 @@ def test_summary_reports_the_default_packing_under_contention(bench):
     assert summary["ffd.contended.vs_quiet_per_pair"]["pairs"] == [0.895, 0.983, 0.982]
     assert "train.h200.ffd.contended.vs_quiet_per_pair = 0.895" in lines
     assert "contended" not in summary  # no ours+contend runs
+
+
+def test_the_weights_checksum_tells_a_one_bit_change(bench):
+    """Under DDP each run checks that its ranks ended with the same weights (ranks_agree):
+    equal weights give equal checksums, a one-bit change in any dtype a different one."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).bfloat16())
+    before = bench.weights_checksum(model)
+    assert torch.equal(before, bench.weights_checksum(copy.deepcopy(model)))
+    for p in model.parameters():
+        bits = p.data.view(-1).view({4: torch.int32, 2: torch.int16}[p.element_size()])
+        bits[0] ^= 1
+        assert not torch.equal(before, bench.weights_checksum(model))
+        bits[0] ^= 1
+    assert torch.equal(before, bench.weights_checksum(model))

@@ -182,10 +182,13 @@ def test_the_patch_swaps_speculators_muon_while_applied(monkeypatch):
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)  # the 8 x 8 weight is large
-    with speculators_compat.speculators_patches("batched_muon", newton_schulz="gram"):
+    with speculators_compat.speculators_patches(
+        "batched_muon", newton_schulz="gram", across_ranks=True
+    ):
         inside = trainer.build_optimizers(model, Config())
     outside = trainer.build_optimizers(model, Config())
     assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"] and inside[0].gram
+    assert inside[0].ranks is None  # asked to split, but outside a process group of several
     assert [type(o).__name__ for o in outside] == ["Muon", "AdamW"]
 
 
@@ -261,6 +264,40 @@ def test_the_train_job_trainer_takes_the_configured_newton_schulz():
     assert issubclass(standard, StreamingTrainer) and standard.newton_schulz == "standard"
     assert StreamingTrainer.newton_schulz == "gram"
     assert train.with_newton_schulz(Trainer, "standard") is Trainer
+
+
+@pytest.mark.parametrize(
+    ("distributed", "fsdp", "on", "split"),
+    [(True, False, True, True), (False, False, True, False), (True, True, True, False),
+     (True, False, False, False)],
+    ids=["ddp", "one_process", "fsdp", "switched_off"],
+)  # fmt: skip
+def test_the_train_job_splits_muon_over_ddp_ranks_only(monkeypatch, distributed, fsdp, on, split):
+    """StreamingTrainer.setup_optimizer on a GPU asks the batched_muon entry to split Muon
+    over the ranks under DDP (muon_across_ranks), not in one process and not under FSDP (its
+    sharded matrices take torch's step)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from speculators.train.trainer import Trainer
+
+    from eagle3lib import streaming_trainer
+
+    asked = {}
+
+    @contextlib.contextmanager
+    def patches(*names, **context):
+        asked.update(names=names, **context)
+        yield
+
+    monkeypatch.setattr(streaming_trainer, "speculators_patches", patches)
+    monkeypatch.setattr(Trainer, "setup_optimizer", lambda self: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    trainer = streaming_trainer.StreamingTrainer.__new__(streaming_trainer.StreamingTrainer)
+    trainer.config = SimpleNamespace(optimizer="muon", fsdp_shard=fsdp)
+    trainer.is_distributed, trainer.muon_across_ranks = distributed, on
+    trainer.setup_optimizer()
+    assert asked == {"names": ("batched_muon",), "newton_schulz": "gram", "across_ranks": split}
 
 
 # Gram Newton-Schulz. The exact iteration: torch's formulas in fp64.
@@ -511,3 +548,70 @@ def test_gram_newton_schulz_sums_in_fp32_and_restores_torchs_setting():
         muon._gram_newton_schulz(torch.randn(1, 16, 48), COEFFICIENTS, 5, 1e-7)
     assert seen and not any(seen)
     assert matmul.allow_fp16_reduced_precision_reduction
+
+
+# ---- split over ranks (DDP) -------------------------------------------------------------------
+
+
+def test_units_go_to_the_least_loaded_rank_costliest_first():
+    """Longest-processing-time order: the same owners on every rank, from the costs alone."""
+    assert muon.Ranks(0, 2).owners([8, 7, 6, 5, 4]) == [0, 1, 1, 0, 0]  # loads 17 and 13
+    assert muon.Ranks(1, 3).owners([1, 9, 1, 1]) == [1, 0, 2, 1]
+    assert muon.Ranks(0, 2).owners([]) == []
+
+
+def test_outside_a_process_group_nothing_is_split():
+    """No default group (or one of one process): BatchedMuon runs alone, and gpu_optimizers
+    leaves large matrices with "standard" to torch's Muon as before."""
+    assert muon.Ranks.of_default_group() is None
+    assert (
+        BatchedMuon([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, across_ranks=True).ranks
+        is None
+    )
+    torch_muon, adamw = built(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    assert muon.gpu_optimizers([torch_muon, adamw], "standard", across_ranks=True)[0] is not None
+
+
+def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
+    """Two gloo ranks with the same gradients (as under DDP), each orthogonalising its share
+    and broadcasting it: both end every setting (batched, one at a time by Gram or by torch's
+    function) with the parameters and momentum buffers of the unsplit optimiser to the bit,
+    and their matmul launches add up to its, each rank running some. gpu_optimizers splits
+    its BatchedMuons, and with "standard" gives the large matrices to one as well."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import muon_ranks_worker as worker
+
+    worker_file = Path(worker.__file__)
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker_file), str(tmp_path / "store"), str(r), str(out)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r, out in enumerate(outs)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    ranked = [torch.load(out) for out in outs]
+    for setting in worker.SETTINGS:
+        alone = worker.run(setting, across_ranks=False)
+        assert alone["ranks"] is None
+        for r, results in enumerate(ranked):
+            got = results[setting]
+            assert got["ranks"] == (r, 2)
+            for mine, theirs in zip(got["params"] + got["bufs"], alone["params"] + alone["bufs"],
+                                    strict=True):  # fmt: skip
+                assert torch.equal(mine, theirs), setting
+        shares = [results[setting]["matmuls"] for results in ranked]
+        assert sum(shares) == alone["matmuls"] and min(shares) > 0, (setting, shares)
+    for r, results in enumerate(ranked):
+        assert results["built"]["gram"] == [("BatchedMuon", True, False, (r, 2)),
+                                            ("BatchedMuon", False, True, (r, 2))]  # fmt: skip
+        assert results["built"]["standard"] == [("BatchedMuon", True, False, (r, 2)),
+                                                ("BatchedMuon", False, False, (r, 2))]  # fmt: skip

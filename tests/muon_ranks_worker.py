@@ -1,0 +1,81 @@
+"""BatchedMuon split over ranks (``across_ranks``), the run tests/test_muon.py compares: each
+of two gloo ranks started as ``python muon_ranks_worker.py STORE RANK OUT`` steps the same
+parameters with the same gradients and saves what it ends with; the test runs ``run``
+alone in its own process for the unsplit reference."""
+
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagle3lib import muon
+from eagle3lib.muon import BatchedMuon
+
+# wide, tall and square matrices, repeated shapes, and wide ones where the Gram form pays
+SHAPES = [(16, 48), (48, 16), (16, 48), (24, 24), (24, 24), (8, 24), (24, 8), (16, 32), (32, 96)]
+SETTINGS = {
+    "batched": {},
+    "gram_one_at_a_time": {"newton_schulz": "gram", "batched": False},
+    "standard_one_at_a_time": {"batched": False},
+}
+
+
+class Matmuls(TorchDispatchMode):
+    """Counts the matmul launches run under it."""
+
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "baddbmm"):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run(setting: str, across_ranks: bool, n: int = 3) -> dict:
+    """``n`` steps of BatchedMuon (``SETTINGS[setting]``) from seeded weights and gradients:
+    the parameters, momentum buffers and matmul launches it ends with."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, across_ranks=across_ranks,
+                      **SETTINGS[setting])  # fmt: skip
+    with Matmuls() as counted:
+        for _ in range(n):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+    return {
+        "params": [p.detach().clone() for p in params],
+        "bufs": [opt.state[p]["momentum_buffer"].clone() for p in params],
+        "matmuls": counted.n,
+        "ranks": None if opt.ranks is None else (opt.ranks.rank, opt.ranks.world),
+    }
+
+
+def built_optimizers(newton_schulz: str) -> list[tuple]:
+    """What ``gpu_optimizers`` makes of torch's Muon over one large and one small matrix with
+    ``across_ranks``: (type, batched, gram, ranks) each."""
+    big, small = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(2, 2))
+    before, muon.BATCH_MAX_ELEMENTS = muon.BATCH_MAX_ELEMENTS, 16
+    try:
+        built = muon.gpu_optimizers(
+            [torch.optim.Muon([big, small], lr=0.01)], newton_schulz, across_ranks=True
+        )
+    finally:
+        muon.BATCH_MAX_ELEMENTS = before
+    ranks = [getattr(o, "ranks", None) for o in built]
+    return [
+        (type(o).__name__, getattr(o, "batched", None), getattr(o, "gram", None),
+         None if r is None else (r.rank, r.world))
+        for o, r in zip(built, ranks, strict=True)
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    results = {s: run(s, across_ranks=True) for s in SETTINGS}
+    results["built"] = {ns: built_optimizers(ns) for ns in ("gram", "standard")}
+    torch.save(results, out)
+    dist.destroy_process_group()
