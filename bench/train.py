@@ -18,8 +18,8 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon_ffd_standard ours_muon_ffd with train.newton_schulz: standard (torch's iteration
                           for every matrix, the train job's Muon before 2026-12-05)
     ours_muon_ffd_every_rank ours_muon_ffd whose DDP ranks each orthogonalise every Muon
-                          matrix (the train job before 2026-12-05 split them over the ranks:
-                          muon.Ranks); on one GPU the same as ours_muon_ffd
+                          matrix, as the train job did until 2026-12-05 (since, it splits them
+                          over the ranks: muon.Ranks); on one GPU the same as ours_muon_ffd
     ours_ffd              ours with train.packing: ffd (the workflow's default since
                           2026-12-04: fuller batches); ours itself packs as speculators does
     ours_fp8              ours on fp8 shards of the same states
@@ -1096,7 +1096,10 @@ def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: 
     one_gpu = {r.get("name", r.get("variant")) for r in single}
     lines = []
     for name in dict.fromkeys(r["name"] for r in results):
-        base = name if name in one_gpu else ONE_GPU_TWIN[name]
+        base = name if name in one_gpu else ONE_GPU_TWIN.get(name)
+        if base not in one_gpu:
+            lines.append(f"no scaling efficiency for {name}: --baseline has no one-GPU run of it")
+            continue
         one = float(np.median([r["tokens_per_s"] for r in single
                                if r.get("name", r.get("variant")) == base]))  # fmt: skip
         mine = median_of(results, name)

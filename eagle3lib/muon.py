@@ -307,7 +307,9 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
     ``gram`` (``_units``). Alone, one unit's update is held at a time. Over ``ranks`` every
     rank updates every momentum buffer and parameter, but each unit is orthogonalised by one
     rank (``Ranks.owners``) and broadcast from it while the next runs: every rank applies
-    the same bits, each holding all its received results until they are applied."""
+    the same bits, each holding the results it sent and received until they are applied.
+    Every rank must hold gradients for the same parameters (as DDP gives them), or the ranks'
+    broadcasts do not match and the step hangs."""
     if batched:
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
     else:
@@ -336,20 +338,35 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
                         g.lerp(b, momentum) for g, b in zip(unit_grads, unit_bufs, strict=True)
                     ]
             result = _unit_result(updates, kind, ns_coefficients, ns_steps, eps)
+            del updates
         else:
             result = _empty_result(unit_params, kind)
+            if kind == "torch" and not nesterov:
+                _normalised_as_torch_does(bufs[indices[0]], eps)
         if owners[u] is not None:
             import torch.distributed as dist
 
             sent.append((u, result, dist.broadcast(result, src=owners[u], async_op=True)))
             continue
-        ortho = _unpacked(result, kind, unit_params)
-        _apply(unit_params, ortho, lr, weight_decay, adjust_lr_fn, batched)
+        _apply(unit_params, _unpacked(result, kind, unit_params), lr, weight_decay,
+               adjust_lr_fn, batched)  # fmt: skip
+        del result
     for u, result, work in sent:
         work.wait()
         unit_params = [params[i] for i in units[u][0]]
         ortho = _unpacked(result, units[u][1], unit_params)
         _apply(unit_params, ortho, lr, weight_decay, adjust_lr_fn, batched)
+
+
+def _normalised_as_torch_does(buf: Tensor, eps: float) -> None:
+    """What torch's ``_zeropower_via_newtonschulz`` does to its input besides orthogonalising
+    it: a bf16 input (``bfloat16()`` returns it as it is) is divided by its norm in place.
+    Without nesterov the input is the momentum buffer itself, so with bf16 parameters torch's
+    Muon leaves it so divided; a rank that does not orthogonalise the buffer does the same,
+    so that every rank keeps the buffer the unsplit step leaves."""
+    if buf.dtype == torch.bfloat16:
+        x = buf.T if buf.size(0) > buf.size(1) else buf
+        x.div_(x.norm().clamp(min=eps))
 
 
 NEWTON_SCHULZ = ("gram", "standard")  # train.newton_schulz

@@ -13,10 +13,14 @@ from eagle3lib.muon import BatchedMuon
 
 # wide, tall and square matrices, repeated shapes, and wide ones where the Gram form pays
 SHAPES = [(16, 48), (48, 16), (16, 48), (24, 24), (24, 24), (8, 24), (24, 8), (16, 32), (32, 96)]
+# BatchedMuon's settings, and the parameters' dtype: with bf16 parameters and no nesterov
+# torch's function divides the momentum buffer itself in place (each rank must do the same)
 SETTINGS = {
-    "batched": {},
-    "gram_one_at_a_time": {"newton_schulz": "gram", "batched": False},
-    "standard_one_at_a_time": {"batched": False},
+    "batched": ({}, torch.float32),
+    "gram_one_at_a_time": ({"newton_schulz": "gram", "batched": False}, torch.float32),
+    "standard_one_at_a_time": ({"batched": False}, torch.float32),
+    "standard_one_at_a_time_bf16_plain": ({"batched": False, "nesterov": False}, torch.bfloat16),
+    "batched_bf16_plain": ({"nesterov": False}, torch.bfloat16),
 }
 
 
@@ -34,14 +38,14 @@ class Matmuls(TorchDispatchMode):
 def run(setting: str, across_ranks: bool, n: int = 3) -> dict:
     """``n`` steps of BatchedMuon (``SETTINGS[setting]``) from seeded weights and gradients:
     the parameters, momentum buffers and matmul launches it ends with."""
+    settings, dtype = SETTINGS[setting]
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-    opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, across_ranks=across_ranks,
-                      **SETTINGS[setting])  # fmt: skip
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, across_ranks=across_ranks, **settings)
     with Matmuls() as counted:
         for _ in range(n):
             for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
             opt.step()
     return {
         "params": [p.detach().clone() for p in params],

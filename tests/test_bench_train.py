@@ -260,6 +260,8 @@ def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench
         "train.2xh200.muon_ffd_every_rank.tokens_per_s = 40800",
         "train.2xh200.muon_ffd_every_rank.scaling_efficiency = 0.850",
     ]
+    alone = bench.scaling_lines([run("ours_fp8", 80000)], single, 2, "2xh200")
+    assert alone == ["no scaling efficiency for ours_fp8: --baseline has no one-GPU run of it"]
 
 
 def test_summary_reports_the_default_packing_under_contention(bench):

@@ -560,7 +560,7 @@ def test_units_go_to_the_least_loaded_rank_costliest_first():
     assert muon.Ranks(0, 2).owners([]) == []
 
 
-def test_outside_a_process_group_nothing_is_split():
+def test_outside_a_process_group_nothing_is_split(monkeypatch):
     """No default group (or one of one process): BatchedMuon runs alone, and gpu_optimizers
     leaves large matrices with "standard" to torch's Muon as before."""
     assert muon.Ranks.of_default_group() is None
@@ -569,15 +569,34 @@ def test_outside_a_process_group_nothing_is_split():
         is None
     )
     torch_muon, adamw = built(torch.nn.Sequential(torch.nn.Linear(8, 8)))
-    assert muon.gpu_optimizers([torch_muon, adamw], "standard", across_ranks=True)[0] is not None
+    monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)  # the 8 x 8 weight is large
+    assert muon.gpu_optimizers([torch_muon, adamw], "standard", across_ranks=True)[0] is torch_muon
+
+
+def test_an_8b_shaped_drafts_matrices_split_evenly_by_flops():
+    """The one-layer 8B-shaped draft's eight Muon matrices (all large: one unit each) over two
+    ranks: 9.96 and 10.45 of the 20.40 TFLOP of a Gram step, each rank's within 5 % of half;
+    by count alone (four each, the first four to one rank) it would be 7.66 and 12.74."""
+    shapes = [(4096, 12288), (4096, 8192), (1024, 8192), (1024, 8192), (4096, 4096),
+              (14336, 4096), (14336, 4096), (4096, 14336)]  # fmt: skip
+    like = [torch.empty(s, device="meta") for s in shapes]
+    units = muon._units(like, 5, gram=True, batched=False)
+    assert [kind for _, kind in units] == ["gram"] * 4 + ["torch"] + ["gram"] * 3
+    costs = [muon._unit_flops(like, unit, 5) for unit in units]
+    owners = muon.Ranks(0, 2).owners(costs)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in (0, 1)]
+    assert [round(x / 1e12, 2) for x in loads] == [9.96, 10.45]
+    assert max(loads) < 1.05 * sum(loads) / 2
 
 
 def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
     """Two gloo ranks with the same gradients (as under DDP), each orthogonalising its share
     and broadcasting it: both end every setting (batched, one at a time by Gram or by torch's
     function) with the parameters and momentum buffers of the unsplit optimiser to the bit,
-    and their matmul launches add up to its, each rank running some. gpu_optimizers splits
-    its BatchedMuons, and with "standard" gives the large matrices to one as well."""
+    and their matmul launches add up to its, each rank running some; with bf16 parameters and
+    no nesterov too, where torch's function divides the momentum buffer itself in place.
+    gpu_optimizers splits its BatchedMuons, and with "standard" gives the large matrices to one as well."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -587,17 +606,24 @@ def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
 
     worker_file = Path(worker.__file__)
     outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    # the workers import this checkout's eagle3lib, not an installed one
+    env = {**os.environ, "PYTHONPATH": str(worker_file.parents[1])}
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker_file), str(tmp_path / "store"), str(r), str(out)],
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+            env=env,
+        )
         for r, out in enumerate(outs)
     ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-2000:]
+    finally:  # one that failed leaves the other waiting in gloo
+        for proc in procs:
+            proc.kill()
     ranked = [torch.load(out) for out in outs]
     for setting in worker.SETTINGS:
         alone = worker.run(setting, across_ranks=False)
