@@ -1122,7 +1122,9 @@ def device_tag() -> str:
     return "h200" if "h200" in name else "gpu"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line's settings (defaults filled in) and the variant names to run, in
+    order; an unknown variant stops with the list of known ones."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1185,7 +1187,7 @@ def main() -> None:
         "difference and optimiser step time)",
     )
     p.add_argument("--out", default=os.environ.get("BENCH_DIR", "/tmp/eagle3-bench-train"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     smoke = args.smoke
     args.samples = args.samples or (48 if smoke else 400)
     args.steps = args.steps or (12 if smoke else 60)
@@ -1196,6 +1198,13 @@ def main() -> None:
     names = [n for n in args.variants.split(",") if n] * args.repeat
     if unknown := sorted({n.removesuffix(CONTEND) for n in names} - set(VARIANTS)):
         p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    return args, names
+
+
+def main() -> None:
+    args, names = parse_args()
+    smoke = args.smoke
+    small = args.shape == "smollm2"
 
     from eagle3lib import batches, vocab
     from eagle3lib.verifier import allow_recompiles, materialize

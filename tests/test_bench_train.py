@@ -295,3 +295,25 @@ def test_the_weights_checksum_tells_a_one_bit_change(bench):
         assert not torch.equal(before, bench.weights_checksum(model))
         bits[0] ^= 1
     assert torch.equal(before, bench.weights_checksum(model))
+
+
+def test_every_queued_train_command_parses_and_names_known_variants(bench, capsys):
+    """The device queues (bench/queues/*.txt, run by bench/gpu_queue.sh on a lent GPU machine)
+    hold bench/train.py command lines: each parses, and each variant it names exists, so no
+    device call is spent on a typo. A misspelt variant is refused."""
+    import shlex
+
+    commands = []
+    for queue in sorted((ROOT / "bench" / "queues").glob("*.txt")):
+        for line in queue.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                words = shlex.split(line)
+                if "bench/train.py" in words:
+                    commands.append(words[words.index("bench/train.py") + 1 :])
+    assert len(commands) >= 10
+    for argv in commands:
+        args, names = bench.parse_args(argv)
+        assert args.out.startswith("/tmp/o/") and len(names) == len(set(names)) * args.repeat
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "ours,ours_muon_fdd"])
+    assert "--variants: unknown ours_muon_fdd; choose from ours," in capsys.readouterr().err
