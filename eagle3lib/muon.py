@@ -30,17 +30,20 @@ and a relative distance of 0.02; bench/newton_schulz.py checks a draft's real sh
 Sharded (FSDP) matrices take torch's step.
 
 Under DDP every rank holds the same averaged gradients, and torch's Muon has each of them
-orthogonalise every matrix. With ``across_ranks`` (the train job's DDP runs) the units (a
-stack of one shape, or one large matrix) are dealt out over the ranks, costliest first, each
-to the least loaded rank (``Ranks.owners``, FLOPs by ``newton_schulz_flops``); a unit's owner
-broadcasts its 16-bit result while the next unit runs, and every rank applies the same bits,
-the unsplit step's (tests/test_muon.py, two gloo processes). The momentum buffers stay on
-every rank, so the saved state is the same as without the split."""
+orthogonalise every matrix. With ``gpu_optimizers``' ``across_ranks`` (the train job's DDP
+runs) the units (a stack of one shape, or one large matrix) are dealt out over the ranks of
+each host (``Ranks.of_this_host``: across hosts sending the results would cost more than
+computing them), costliest first, each to the least loaded rank (``Ranks.owners``, FLOPs by
+``newton_schulz_flops``); a unit's owner broadcasts its 16-bit result while the next unit
+runs, and every rank applies the same bits, the unsplit step's (tests/test_muon.py: gloo
+processes standing for one host and for two). The momentum buffers stay on every rank, so
+the saved state is the same as without the split."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -251,26 +254,56 @@ def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float,
     return out
 
 
+def host_groups(hosts: list[str]) -> list[list[int]]:
+    """The ranks of each host (``hosts``: each rank's), hosts in the order of their first rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return list(groups.values())
+
+
 @dataclass(frozen=True)
 class Ranks:
-    """The processes of the default group, each holding the same gradients (DDP): each
-    orthogonalises its share of the units and sends the results to the others."""
+    """The ranks of one host, each holding the same gradients (DDP): each orthogonalises its
+    share of the units and broadcasts the results to the others. Only within a host: across
+    hosts the results (16 bits an element, every step) would take longer to send than to
+    compute over a network much slower than the GPUs' own links."""
 
-    rank: int
-    world: int
+    rank: int  # this process's index in ``members``
+    members: tuple[int, ...]  # the host's ranks in the default group
+    group: Any = field(default=None, compare=False)  # theirs, None: the default group
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
 
     @classmethod
-    def of_default_group(cls) -> Ranks | None:
-        """The default group's ranks, or None outside one (or in one of one process)."""
+    def of_this_host(cls) -> Ranks | None:
+        """This host's ranks of the default group (a group of their own where it spans
+        several hosts), or None outside a group or where this host has one rank. Every rank
+        of the default group must call it (it gathers their host names)."""
+        import socket
+
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
-        return cls(dist.get_rank(), dist.get_world_size())
+        hosts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        groups, me = host_groups(hosts), dist.get_rank()
+        mine = next(g for g in groups if me in g)
+        group = None
+        if len(groups) > 1:
+            for ranks in groups:  # every rank makes every group, in the same order
+                made = dist.new_group(ranks)
+                if ranks is mine:
+                    group = made
+        return cls(mine.index(me), tuple(mine), group) if len(mine) > 1 else None
 
     def owners(self, costs: list[int]) -> list[int]:
-        """The rank orthogonalising each unit: the costliest first, each to the least loaded
-        rank (the same on every rank: it depends on the costs alone)."""
+        """The member orthogonalising each unit (its index in ``members``): the costliest
+        unit first, each to the least loaded member (the same on every rank: it depends on
+        the costs alone)."""
         load, owners = [0] * self.world, [0] * len(costs)
         for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
             owners[u] = min(range(self.world), key=lambda r: (load[r], r))
@@ -346,7 +379,9 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
         if owners[u] is not None:
             import torch.distributed as dist
 
-            sent.append((u, result, dist.broadcast(result, src=owners[u], async_op=True)))
+            source = ranks.members[owners[u]]
+            work = dist.broadcast(result, src=source, group=ranks.group, async_op=True)
+            sent.append((u, result, work))
             continue
         _apply(unit_params, _unpacked(result, kind, unit_params), lr, weight_decay,
                adjust_lr_fn, batched)  # fmt: skip
@@ -377,21 +412,21 @@ class BatchedMuon(torch.optim.Muon):
     momentum buffer per matrix), so its state dict loads into torch's Muon over the same
     matrices and back. ``newton_schulz``: "gram" for Gram Newton-Schulz where it takes fewer
     FLOPs, "standard" for torch's iteration only; ``batched``: the matrices of one shape
-    stacked, or one at a time; ``across_ranks``: in a default process group of several
-    ranks holding the same gradients (DDP), each orthogonalises its share (``Ranks``), so
-    every rank must step together. Sharded (DTensor) parameters take torch's own step."""
+    stacked, or one at a time; ``ranks`` (``Ranks.of_this_host``): ranks holding the same
+    gradients (DDP), each orthogonalising its share, so they must step together. Sharded
+    (DTensor) parameters take torch's own step."""
 
     def __init__(self, params, *, newton_schulz: str = "standard", batched: bool = True,
-                 across_ranks: bool = False, **settings) -> None:  # fmt: skip
+                 ranks: Ranks | None = None, **settings) -> None:  # fmt: skip
         if newton_schulz not in NEWTON_SCHULZ:
             raise ValueError(f"newton_schulz must be one of {NEWTON_SCHULZ}, not {newton_schulz!r}")
         super().__init__(params, **settings)
-        self.gram, self.batched = newton_schulz == "gram", batched
-        self.ranks = Ranks.of_default_group() if across_ranks else None
+        self.gram, self.batched, self.ranks = newton_schulz == "gram", batched, ranks
 
     def __getstate__(self):  # a copy or pickle keeps the settings (torch's keeps its own only)
-        return {**super().__getstate__(), "gram": self.gram, "batched": self.batched,
-                "ranks": self.ranks}  # fmt: skip
+        # but not the ranks (a process group does not pickle): a copy steps alone, which
+        # gives the same update
+        return {**super().__getstate__(), "gram": self.gram, "batched": self.batched}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -415,7 +450,7 @@ class BatchedMuon(torch.optim.Muon):
                     nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
                     ns_steps=group["ns_steps"], eps=group["eps"],
                     adjust_lr_fn=group["adjust_lr_fn"], gram=self.gram, batched=self.batched,
-                    ranks=self.ranks,
+                    ranks=getattr(self, "ranks", None),
                 )  # fmt: skip
         return loss
 
@@ -447,12 +482,14 @@ def gpu_optimizers(
     large ones, where the matmuls and not the launches take the time, with ``newton_schulz``
     "gram" in one that takes them one at a time by Gram Newton-Schulz where it needs fewer
     FLOPs, with "standard" left to torch's Muon (as built when all are large); the others as
-    built. ``across_ranks`` (DDP over several ranks): the BatchedMuons split their
-    orthogonalisation over the ranks, and large matrices with "standard" go to one too (torch's
-    iteration, one at a time), so they are split as well. A mixed draft gets one optimiser more
+    built. ``across_ranks`` (DDP, every rank calling this): where this host has several
+    ranks, the BatchedMuons split their orthogonalisation over them (``Ranks.of_this_host``),
+    and large matrices with "standard" go to one too (torch's iteration, one at a time), so
+    they are split as well. A mixed draft gets one optimiser more
     than speculators builds, so its saved training state has another layout
     (``train._fingerprint`` tells the two apart); splitting over ranks changes no state."""
-    across_ranks = across_ranks and Ranks.of_default_group() is not None
+    muon = any(type(o) is torch.optim.Muon for o in optimizers)
+    ranks = Ranks.of_this_host() if across_ranks and muon else None
     out: list[torch.optim.Optimizer] = []
     for o in optimizers:
         if type(o) is not torch.optim.Muon:
@@ -462,10 +499,10 @@ def gpu_optimizers(
             raise ValueError("convert Muon before its first step")
         small, large = _split(o)
         if small:
-            out.append(BatchedMuon(small, across_ranks=across_ranks, **o.defaults))
-        if large and (newton_schulz == "gram" or across_ranks):
+            out.append(BatchedMuon(small, ranks=ranks, **o.defaults))
+        if large and (newton_schulz == "gram" or ranks is not None):
             out.append(BatchedMuon(large, newton_schulz=newton_schulz, batched=False,
-                                   across_ranks=across_ranks, **o.defaults))  # fmt: skip
+                                   ranks=ranks, **o.defaults))  # fmt: skip
         elif large:
             out.append(torch.optim.Muon(large, **o.defaults) if small else o)
     return out

@@ -1,7 +1,8 @@
 """BatchedMuon split over ranks (``across_ranks``), the run tests/test_muon.py compares: each
-of two gloo ranks started as ``python muon_ranks_worker.py STORE RANK OUT`` steps the same
-parameters with the same gradients and saves what it ends with; the test runs ``run``
-alone in its own process for the unsplit reference."""
+gloo rank started as ``python muon_ranks_worker.py STORE RANK HOSTS OUT`` (HOSTS: each
+rank's host name, comma-separated; this rank stands for its own) steps the same parameters
+with the same gradients and saves what it ends with; the test runs ``run`` alone in its own
+process for the unsplit reference."""
 
 import sys
 
@@ -41,7 +42,8 @@ def run(setting: str, across_ranks: bool, n: int = 3) -> dict:
     settings, dtype = SETTINGS[setting]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
-    opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, across_ranks=across_ranks, **settings)
+    ranks = muon.Ranks.of_this_host() if across_ranks else None
+    opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, ranks=ranks, **settings)
     with Matmuls() as counted:
         for _ in range(n):
             for p in params:
@@ -75,10 +77,14 @@ def built_optimizers(newton_schulz: str) -> list[tuple]:
 
 
 if __name__ == "__main__":
+    import socket
+
     import torch.distributed as dist
 
-    store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    store, rank, hosts, out = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+    socket.gethostname = lambda: hosts[rank]  # the host this rank stands for
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=len(hosts))  # fmt: skip
     results = {s: run(s, across_ranks=True) for s in SETTINGS}
     results["built"] = {ns: built_optimizers(ns) for ns in ("gram", "standard")}
     torch.save(results, out)

@@ -553,21 +553,24 @@ def test_gram_newton_schulz_sums_in_fp32_and_restores_torchs_setting():
 # ---- split over ranks (DDP) -------------------------------------------------------------------
 
 
+def test_ranks_are_grouped_by_host():
+    """Muon is split only among one host's ranks: each host's ranks, in order of their first."""
+    assert muon.host_groups(["a", "a", "b", "b"]) == [[0, 1], [2, 3]]
+    assert muon.host_groups(["b", "a", "b", "a", "c"]) == [[0, 2], [1, 3], [4]]
+    assert muon.host_groups(["a", "a"]) == [[0, 1]]
+
+
 def test_units_go_to_the_least_loaded_rank_costliest_first():
     """Longest-processing-time order: the same owners on every rank, from the costs alone."""
-    assert muon.Ranks(0, 2).owners([8, 7, 6, 5, 4]) == [0, 1, 1, 0, 0]  # loads 17 and 13
-    assert muon.Ranks(1, 3).owners([1, 9, 1, 1]) == [1, 0, 2, 1]
-    assert muon.Ranks(0, 2).owners([]) == []
+    assert muon.Ranks(0, (0, 1)).owners([8, 7, 6, 5, 4]) == [0, 1, 1, 0, 0]  # loads 17 and 13
+    assert muon.Ranks(1, (0, 1, 2)).owners([1, 9, 1, 1]) == [1, 0, 2, 1]
+    assert muon.Ranks(0, (0, 1)).owners([]) == []
 
 
 def test_outside_a_process_group_nothing_is_split(monkeypatch):
     """No default group (or one of one process): BatchedMuon runs alone, and gpu_optimizers
     leaves large matrices with "standard" to torch's Muon as before."""
-    assert muon.Ranks.of_default_group() is None
-    assert (
-        BatchedMuon([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, across_ranks=True).ranks
-        is None
-    )
+    assert muon.Ranks.of_this_host() is None
     torch_muon, adamw = built(torch.nn.Sequential(torch.nn.Linear(8, 8)))
     monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)  # the 8 x 8 weight is large
     assert muon.gpu_optimizers([torch_muon, adamw], "standard", across_ranks=True)[0] is torch_muon
@@ -583,19 +586,22 @@ def test_an_8b_shaped_drafts_matrices_split_evenly_by_flops():
     units = muon._units(like, 5, gram=True, batched=False)
     assert [kind for _, kind in units] == ["gram"] * 4 + ["torch"] + ["gram"] * 3
     costs = [muon._unit_flops(like, unit, 5) for unit in units]
-    owners = muon.Ranks(0, 2).owners(costs)
+    owners = muon.Ranks(0, (0, 1)).owners(costs)
     loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in (0, 1)]
     assert [round(x / 1e12, 2) for x in loads] == [9.96, 10.45]
     assert max(loads) < 1.05 * sum(loads) / 2
 
 
-def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
-    """Two gloo ranks with the same gradients (as under DDP), each orthogonalising its share
-    and broadcasting it: both end every setting (batched, one at a time by Gram or by torch's
-    function) with the parameters and momentum buffers of the unsplit optimiser to the bit,
-    and their matmul launches add up to its, each rank running some; with bf16 parameters and
-    no nesterov too, where torch's function divides the momentum buffer itself in place.
-    gpu_optimizers splits its BatchedMuons, and with "standard" gives the large matrices to one as well."""
+@pytest.mark.parametrize("hosts", ["a,a", "a,a,b,b", "a,b"])
+def test_split_over_a_hosts_ranks_gives_each_the_unsplit_update(tmp_path, hosts):
+    """gloo ranks standing for ranks on ``hosts``, with the same gradients (as under DDP):
+    each host's ranks orthogonalise a share each and broadcast it among themselves (a host of
+    one rank splits nothing). Every rank ends every setting (batched, one at a time by Gram or
+    by torch's function) with the parameters and momentum buffers of the unsplit optimiser to
+    the bit, and the matmul launches of a host's ranks add up to its, each running some; with
+    bf16 parameters and no nesterov too, where torch's function divides the momentum buffer
+    itself in place. gpu_optimizers splits its BatchedMuons, and with "standard" gives the
+    large matrices to one as well."""
     import os
     import subprocess
     import sys
@@ -604,13 +610,14 @@ def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     import muon_ranks_worker as worker
 
+    host_of = hosts.split(",")
     worker_file = Path(worker.__file__)
-    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    outs = [tmp_path / f"rank{r}.pt" for r in range(len(host_of))]
     # the workers import this checkout's eagle3lib, not an installed one
     env = {**os.environ, "PYTHONPATH": str(worker_file.parents[1])}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker_file), str(tmp_path / "store"), str(r), str(out)],
+            [sys.executable, str(worker_file), str(tmp_path / "store"), str(r), hosts, str(out)],
             stderr=subprocess.PIPE,
             text=True,
             env=env,
@@ -621,23 +628,26 @@ def test_split_over_two_ranks_gives_each_the_unsplit_update(tmp_path):
         for proc in procs:
             _, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-2000:]
-    finally:  # one that failed leaves the other waiting in gloo
+    finally:  # one that failed leaves the others waiting in gloo
         for proc in procs:
             proc.kill()
     ranked = [torch.load(out) for out in outs]
+    groups = muon.host_groups(host_of)
+    split = {r: (g.index(r), len(g)) if len(g) > 1 else None for g in groups for r in g}
     for setting in worker.SETTINGS:
         alone = worker.run(setting, across_ranks=False)
         assert alone["ranks"] is None
         for r, results in enumerate(ranked):
             got = results[setting]
-            assert got["ranks"] == (r, 2)
+            assert got["ranks"] == split[r]
             for mine, theirs in zip(got["params"] + got["bufs"], alone["params"] + alone["bufs"],
                                     strict=True):  # fmt: skip
                 assert torch.equal(mine, theirs), setting
-        shares = [results[setting]["matmuls"] for results in ranked]
-        assert sum(shares) == alone["matmuls"] and min(shares) > 0, (setting, shares)
+        for group in groups:
+            shares = [ranked[r][setting]["matmuls"] for r in group]
+            assert sum(shares) == alone["matmuls"] and min(shares) > 0, (setting, shares)
     for r, results in enumerate(ranked):
-        assert results["built"]["gram"] == [("BatchedMuon", True, False, (r, 2)),
-                                            ("BatchedMuon", False, True, (r, 2))]  # fmt: skip
-        assert results["built"]["standard"] == [("BatchedMuon", True, False, (r, 2)),
-                                                ("BatchedMuon", False, False, (r, 2))]  # fmt: skip
+        large = ("BatchedMuon", False, False, split[r]) if split[r] else ("Muon", None, None, None)
+        assert results["built"]["gram"] == [("BatchedMuon", True, False, split[r]),
+                                            ("BatchedMuon", False, True, split[r])]  # fmt: skip
+        assert results["built"]["standard"] == [("BatchedMuon", True, False, split[r]), large]
