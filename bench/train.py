@@ -719,7 +719,7 @@ def run_variant(
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
         # under DDP: whether every rank ended with the same weights (Muon split over the ranks
         # sends each its update; a lost or misread one would make them differ)
-        "ranks_agree": ranks_agree(clock.trainer.model) if processes > 1 else None,
+        "ranks_agree": stats["ranks_agree"],
         "graphs_compiled": compiled_graphs() - graphs_before,
         # compiled regions that ran without CUDA graphs (inductor logs each one's reason)
         "cudagraph_skips": compile_counter("inductor", "cudagraph_skips") - skips_before
@@ -764,27 +764,6 @@ def graph_steps(clock):
         torch.compiler.cudagraph_mark_step_begin()
 
     return after_step
-
-
-def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
-    """Each parameter's bits summed as integers, on its device: equal weights give equal
-    sums, and one changed bit changes its parameter's sum."""
-    sums = []
-    for p in model.parameters():
-        bits = p.detach().contiguous().view(-1)
-        bits = bits.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[bits.element_size()])
-        sums.append(bits.sum(dtype=torch.int64))
-    return torch.stack(sums)
-
-
-def ranks_agree(model: torch.nn.Module) -> bool:
-    """Whether every rank of the default group holds the same weights (``weights_checksum``)."""
-    import torch.distributed as dist
-
-    mine = weights_checksum(model)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return all(torch.equal(mine, other) for other in every)
 
 
 @contextlib.contextmanager

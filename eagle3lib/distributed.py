@@ -58,6 +58,31 @@ def barrier() -> None:
         dist.barrier()
 
 
+def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """Each parameter's bits summed as integers, on its device: equal weights give equal
+    sums, and one changed bit changes its parameter's sum."""
+    sums = []
+    for p in model.parameters():
+        bits = p.detach().contiguous().view(-1)
+        bits = bits.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[bits.element_size()])
+        sums.append(bits.sum(dtype=torch.int64))
+    return torch.stack(sums)
+
+
+def ranks_agree(model: torch.nn.Module) -> bool | None:
+    """Whether every rank holds the same weights (``weights_checksum``), as DDP's ranks must
+    (each takes the same step from the same averaged gradients); None outside a group of
+    several. Every rank must call it. Not for sharded (FSDP) weights: each rank holds its own."""
+    if not sd.is_distributed() or sd.get_world_size() < 2:
+        return None
+    import torch.distributed as dist
+
+    mine = weights_checksum(model)
+    every = [torch.empty_like(mine) for _ in range(sd.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(mine, other) for other in every)
+
+
 def teardown_distributed() -> None:
     # A DDP module that outlives its process group (kept by a reference cycle until a later
     # collection) frees the group from its reducer holding the GIL; gloo's destructor then

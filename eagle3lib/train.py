@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from speculators.train.trainer import Trainer
 
-from eagle3lib.distributed import barrier, setup_distributed, world_size
+from eagle3lib.distributed import barrier, ranks_agree, setup_distributed, world_size
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_json
 from eagle3lib.speculators_compat import cpu_trainer_patches, speculators_patches
@@ -399,6 +399,15 @@ def train(
             flush=True,
         )
     barrier()
+    agree = None if cfg.fsdp else ranks_agree(trainer.model)
+    if agree is False and rank == 0:
+        print(
+            "train: the ranks ended with different weights, which DDP's ranks must not (each "
+            "takes the same step from the same averaged gradients): a bug of this project; "
+            "the checkpoint is rank 0's",
+            file=sys.stderr,
+            flush=True,
+        )
     final = last_epoch_dir(state_dir)
     if final is None:
         raise UserError(f"training finished without a checkpoint in {state_dir}")
@@ -407,6 +416,7 @@ def train(
         "resumed": resumed,
         "seconds": seconds,
         "uncompiled_functions": uncompiled,
+        "ranks_agree": agree,  # under DDP: every rank ended with the same weights
         **_run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds),
         "rank": rank,
     }

@@ -398,6 +398,8 @@ def test_two_processes_train_and_export_once(pipeline, tmp_path, fsdp, request):
         work = request.getfixturevalue("two_process_training")["dir"]
     summary = json.loads((work / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["rank"] == 0 and summary["fsdp"] is fsdp
+    # DDP's ranks checked that they ended with the same weights; sharded ones hold their own
+    assert summary["ranks_agree"] is (None if fsdp else True)
     assert len(summary["curves"]["train_loss"]) >= 2
     assert checkpoint.check(work / "checkpoint", pipeline["record"], [2, 4, 5])["valid"] is True
 
@@ -701,3 +703,23 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
     reference_curves = train.loss_curves(ref_metrics)
     assert curves["train_loss"] == reference_curves["train_loss"]
     assert curves["val"] == reference_curves["val"]
+
+
+def test_the_weights_checksum_tells_a_one_bit_change():
+    """A DDP train job ends by checking that its ranks hold the same weights
+    (distributed.ranks_agree): equal weights give equal checksums, a one-bit change in a
+    parameter of any dtype a different one. One process is in no group: nothing to check."""
+    import copy
+
+    from eagle3lib import distributed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).bfloat16())
+    before = distributed.weights_checksum(model)
+    assert torch.equal(before, distributed.weights_checksum(copy.deepcopy(model)))
+    for p in model.parameters():
+        bits = p.data.view(-1).view({4: torch.int32, 2: torch.int16}[p.element_size()])
+        bits[0] ^= 1
+        assert not torch.equal(before, distributed.weights_checksum(model))
+        bits[0] ^= 1
+    assert torch.equal(before, distributed.weights_checksum(model))
+    assert distributed.ranks_agree(model) is None
