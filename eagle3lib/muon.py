@@ -280,8 +280,10 @@ class Ranks:
     @classmethod
     def of_this_host(cls) -> Ranks | None:
         """This host's ranks of the default group (a group of their own where it spans
-        several hosts), or None outside a group or where this host has one rank. Every rank
-        of the default group must call it (it gathers their host names)."""
+        several hosts), or None outside a group or where this host has one rank. A host is a
+        machine (its name) and torchrun's node there (``GROUP_RANK``). Every rank of the
+        default group must call it (it gathers their hosts)."""
+        import os
         import socket
 
         import torch.distributed as dist
@@ -289,7 +291,9 @@ class Ranks:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         hosts: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
+        # the machine, and torchrun's node on it (several torchruns may share one machine)
+        node = f"{socket.gethostname()} node {os.environ.get('GROUP_RANK', '')}"
+        dist.all_gather_object(hosts, node)
         groups, me = host_groups(hosts), dist.get_rank()
         mine = next(g for g in groups if me in g)
         group = None

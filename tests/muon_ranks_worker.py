@@ -20,9 +20,29 @@ SETTINGS = {
     "batched": ({}, torch.float32),
     "gram_one_at_a_time": ({"newton_schulz": "gram", "batched": False}, torch.float32),
     "standard_one_at_a_time": ({"batched": False}, torch.float32),
+    "standard_one_at_a_time_plain": ({"batched": False, "nesterov": False}, torch.float32),
     "standard_one_at_a_time_bf16_plain": ({"batched": False, "nesterov": False}, torch.bfloat16),
     "batched_bf16_plain": ({"nesterov": False}, torch.bfloat16),
 }
+
+
+def unit(kind: str, like: list[torch.Tensor]) -> tuple:
+    """A unit as the worker records it: its kind, its matrices' count and first shape."""
+    return kind, len(like), tuple(like[0].shape)
+
+
+def owned(setting: str, member: int, world: int) -> list[tuple]:
+    """The units ``Ranks.owners`` gives member ``member`` of ``world`` in one step of
+    ``setting`` (sorted)."""
+    settings, dtype = SETTINGS[setting]
+    like = [torch.empty(s, dtype=dtype, device="meta") for s in SHAPES]
+    gram, batched = settings.get("newton_schulz") == "gram", settings.get("batched", True)
+    units = muon._units(like, 5, gram=gram, batched=batched)
+    owners = muon.Ranks(member, tuple(range(world))).owners(
+        [muon._unit_flops(like, u, 5) for u in units]
+    )
+    return sorted(unit(kind, [like[i] for i in indices])
+                  for (indices, kind), o in zip(units, owners, strict=True) if o == member)  # fmt: skip
 
 
 class Matmuls(TorchDispatchMode):
@@ -38,21 +58,33 @@ class Matmuls(TorchDispatchMode):
 
 def run(setting: str, across_ranks: bool, n: int = 3) -> dict:
     """``n`` steps of BatchedMuon (``SETTINGS[setting]``) from seeded weights and gradients:
-    the parameters, momentum buffers and matmul launches it ends with."""
+    the parameters, momentum buffers and matmul launches it ends with, and the units it
+    orthogonalised."""
     settings, dtype = SETTINGS[setting]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
     ranks = muon.Ranks.of_this_host() if across_ranks else None
     opt = BatchedMuon(params, lr=0.02, weight_decay=0.1, ranks=ranks, **settings)
-    with Matmuls() as counted:
-        for _ in range(n):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-            opt.step()
+    done, orthogonalise = [], muon._unit_result
+
+    def recorded(updates, kind, *args):
+        done.append(unit(kind, updates))
+        return orthogonalise(updates, kind, *args)
+
+    muon._unit_result = recorded
+    try:
+        with Matmuls() as counted:
+            for _ in range(n):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                opt.step()
+    finally:
+        muon._unit_result = orthogonalise
     return {
         "params": [p.detach().clone() for p in params],
         "bufs": [opt.state[p]["momentum_buffer"].clone() for p in params],
         "matmuls": counted.n,
+        "orthogonalised": sorted(done),  # the units this rank orthogonalised, all steps
         "ranks": None if opt.ranks is None else (opt.ranks.rank, opt.ranks.world),
     }
 

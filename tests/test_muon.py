@@ -182,13 +182,19 @@ def test_the_patch_swaps_speculators_muon_while_applied(monkeypatch):
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     monkeypatch.setattr(muon, "BATCH_MAX_ELEMENTS", 0)  # the 8 x 8 weight is large
+    pair = muon.Ranks(0, (0, 1))  # as if in a group of two ranks on this host
+    monkeypatch.setattr(muon.Ranks, "of_this_host", classmethod(lambda cls: pair))
     with speculators_compat.speculators_patches(
         "batched_muon", newton_schulz="gram", across_ranks=True
     ):
         inside = trainer.build_optimizers(model, Config())
+    with speculators_compat.speculators_patches(
+        "batched_muon", newton_schulz="gram", across_ranks=False
+    ):
+        alone = trainer.build_optimizers(model, Config())
     outside = trainer.build_optimizers(model, Config())
     assert [type(o).__name__ for o in inside] == ["BatchedMuon", "AdamW"] and inside[0].gram
-    assert inside[0].ranks is None  # asked to split, but outside a process group of several
+    assert inside[0].ranks is pair and alone[0].ranks is None  # split as the context asks
     assert [type(o).__name__ for o in outside] == ["Muon", "AdamW"]
 
 
@@ -646,6 +652,9 @@ def test_split_over_a_hosts_ranks_gives_each_the_unsplit_update(tmp_path, hosts)
         for group in groups:
             shares = [ranked[r][setting]["matmuls"] for r in group]
             assert sum(shares) == alone["matmuls"] and min(shares) > 0, (setting, shares)
+            for member, r in enumerate(group):  # the units Ranks.owners gives it, each step
+                owned = worker.owned(setting, member, len(group))
+                assert ranked[r][setting]["orthogonalised"] == sorted(owned * 3), (setting, r)
     for r, results in enumerate(ranked):
         large = ("BatchedMuon", False, False, split[r]) if split[r] else ("Muon", None, None, None)
         assert results["built"]["gram"] == [("BatchedMuon", True, False, split[r]),
