@@ -90,9 +90,10 @@ start more slowly):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 12 --repeat 3 \
          --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
-  2. two H200s (nvidia-h200-x2), perhaps 12 min, 27 runs (not run as one call: ffd packing
-     ran on one H200, the same training on GPU 1 of the x2 host, both 2026-12-01,
-     BENCHMARKS.md; the DDP part has not run since the sync fix's three calls): on GPU 0 the
+  2. two H200s (nvidia-h200-x2), perhaps 15 min, 25 runs: 13 on one GPU, 12 DDP (not run
+     as one call: ffd packing ran on one H200, the same training on GPU 1 of the x2 host, both
+     2026-12-01, BENCHMARKS.md; the DDP part has not run since the sync fix's three calls):
+     on GPU 0 the
      default packing, the default recipe, ours and the old loader under contention (24 busy
      processes on its 32 cores) and same training over 50 steps; then DDP of ours with and
      without the buffer broadcast and of the default recipe (the workflow's train rule) with
