@@ -93,9 +93,9 @@ start more slowly):
   2. two H200s (nvidia-h200-x2), perhaps 15 min, 25 runs: 13 on one GPU, 12 DDP (not run
      as one call: ffd packing ran on one H200, the same training on GPU 1 of the x2 host, both
      2026-12-01, BENCHMARKS.md; the DDP part has not run since the sync fix's three calls):
-     on GPU 0 the
-     default packing, the default recipe, ours and the old loader under contention (24 busy
-     processes on its 32 cores) and same training over 50 steps; then DDP of ours with and
+     on GPU 0 the default packing, the default recipe, ours and the old loader under
+     contention (24 busy processes on its 32 cores) and same training over 50 steps; then DDP
+     of ours with and
      without the buffer broadcast and of the default recipe (the workflow's train rule) with
      and without Muon split over the ranks, each against its own one-GPU run of the call
      (``scaling_lines``):
