@@ -95,10 +95,9 @@ start more slowly):
      2026-12-01, BENCHMARKS.md; the DDP part has not run since the sync fix's three calls):
      on GPU 0 the default packing, the default recipe, ours and the old loader under
      contention (24 busy processes on its 32 cores) and same training over 50 steps; then DDP
-     of ours with and
-     without the buffer broadcast and of the default recipe (the workflow's train rule) with
-     and without Muon split over the ranks, each against its own one-GPU run of the call
-     (``scaling_lines``):
+     of ours with and without the buffer broadcast and of the default recipe (the workflow's
+     train rule) with and without Muon split over the ranks, each against its own one-GPU run
+     of the call (``scaling_lines``):
        python3 bench/train.py --samples 240 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 24 --repeat 2 --same-training 50 \
          --variants ours,ours_ffd,ours_muon_ffd,ours_ffd+contend,ours_1thread+contend && \
