@@ -135,6 +135,45 @@ def _keep(_event=None) -> None:
     """release() of a batch that owns its memory."""
 
 
+# DDP's ranks agree on a stop at every logging step and, where logging steps are further
+# apart than this (train.log_every's default), by a vote this many steps after they last
+# agreed: a large log_every does not delay a stop past a scheduler's grace period
+STOP_VOTE_STEPS = 10
+
+
+class StopVote:
+    """A stop vote of DDP's ranks without a host sync of its own: ``cast`` starts the flags'
+    all-reduce after a step, ``counted`` reads it after the next one, when the GPU has
+    finished the first (so the wait does not empty its queue). Every rank counts, casts and
+    reads at the same steps."""
+
+    def __init__(self) -> None:
+        self.pending = None
+        self.steps = 0  # since the ranks last agreed (a logging step or a vote)
+
+    def due(self, at_log_step: bool) -> bool:
+        """Count a step: whether a vote is due after it (STOP_VOTE_STEPS steps without a
+        logging step or a vote)."""
+        self.steps = 0 if at_log_step else self.steps + 1
+        return self.steps >= STOP_VOTE_STEPS
+
+    def cast(self, stop: bool, device) -> None:
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(stop)], device=device)
+        self.pending = (flag, dist.all_reduce(flag, async_op=True))
+        self.steps = 0
+
+    def counted(self) -> bool:
+        """Whether any rank voted to stop in the vote cast last (False when none is open)."""
+        if self.pending is None:
+            return False
+        flag, work = self.pending
+        self.pending = None
+        work.wait()
+        return flag.item() > 0
+
+
 class StreamingTrainer(Trainer):
     """speculators' Trainer with a step loop that never makes the host wait for the GPU.
 
@@ -159,6 +198,7 @@ class StreamingTrainer(Trainer):
 
     progress: TrainingProgress | None = None
     stop_request = StopRequest()  # run_training's: SIGTERM or SIGINT, acted on between steps
+    stop_vote: StopVote | None = None  # under DDP, between logging steps (train_epoch's)
     # DDP re-sends the model's buffers from rank 0 before every forward (torch's default); the
     # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
     # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
@@ -179,6 +219,8 @@ class StreamingTrainer(Trainer):
         sync_free = ("sync_free_eagle3",) if self.sync_free else ()
         with speculators_patches(*sync_free), stop_requests() as self.stop_request:
             Trainer.run_training.__wrapped__(self)
+            if self.stop_vote is not None:  # a vote cast after the last step: finished
+                self.stop_vote.counted()
             if self.stop_request.signum is not None and self.rank == 0:  # exits as asked
                 print(
                     f"train: stopped by {self.stop_request.name} after the last step; every "
@@ -363,6 +405,8 @@ class StreamingTrainer(Trainer):
         interval_tokens, interval_start = 0, time.perf_counter()
         interval_wait = self.data_wait_seconds
         stop_agreed = False
+        if self.stop_vote is None:
+            self.stop_vote = StopVote()
 
         def stop_asked() -> bool:
             return self.stop_request.signum is not None
@@ -383,7 +427,8 @@ class StreamingTrainer(Trainer):
             current_lrs = {type(o).__name__: o.param_groups[0]["lr"] for o in self.optimizers}
             self._schedulers_step()
 
-            if self.global_step % self.config.log_freq == 0:  # the only host sync
+            at_log_step = self.global_step % self.config.log_freq == 0
+            if at_log_step:  # the only host sync
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 now = time.perf_counter()
@@ -420,8 +465,13 @@ class StreamingTrainer(Trainer):
                 self.progress.step(self.global_step, epoch, tokens, self.data_wait_seconds)
             if step_callback is not None:
                 step_callback()
-            # between steps: one process acts on a stop at once; ranks at a logging step,
-            # where they agree on it in the metrics' all-reduce (no collective of its own)
+            # between steps: one process acts on a stop at once; ranks agree on it at a logging
+            # step (in the metrics' all-reduce) and, between them, by a vote at least every
+            # STOP_VOTE_STEPS steps (read a step after it is cast: no host sync of its own)
+            if self.is_distributed:
+                stop_agreed = self.stop_vote.counted() or stop_agreed
+                if self.stop_vote.due(at_log_step) and not stop_agreed:
+                    self.stop_vote.cast(stop_asked(), loss.device)
             if stop_agreed or (not self.is_distributed and stop_asked()):
                 self.stop_here(epoch, local_step)
             if self.config.max_steps is not None and self.global_step >= self.config.max_steps:

@@ -366,13 +366,21 @@ def test_two_nodes_preempted_then_a_rank_killed_resume_to_one_nodes_bytes(
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_every_rank_after_the_same_logging_step(
-    pipeline, two_process_training, tmp_path
+@pytest.mark.parametrize(
+    ("log_every", "agreed_after"),
+    [(3, lambda step: (step - 1) % 3 == 0), (1000, lambda step: step == 12)],
+    ids=["logging_step", "vote"],
+)
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(
+    pipeline, two_process_training, tmp_path, log_every, agreed_after
 ):
     """SIGTERM to rank 1's training process only: the ranks agree at the next logging step
-    (train.log_every 3) and stop after it, rank 0 having saved the state after that step; the
-    rerun resumes from it and ends with the one-node run's checkpoint bytes."""
-    cfg = replace(two_process_training["cfg"], checkpoint_freq=0.25, log_every=3)
+    (train.log_every 3: the step after it is logged) or, with logging steps 1000 apart, by
+    the vote cast 10 steps after the first logging step and read a step later (the job's 18
+    steps: the vote after step 11 is read after step 12), and stop there, rank 0 having saved
+    the state after that step; the rerun resumes from it and ends with the one-node run's
+    checkpoint bytes."""
+    cfg = replace(two_process_training["cfg"], checkpoint_freq=0.25, log_every=log_every)
     cmd, env = two_node_job(pipeline, tmp_path, cfg)
 
     def sigterm_to_rank_1(pid: int) -> None:  # not rank 0, which saves and prints
@@ -384,7 +392,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_logging_step(
     stopped = re.search(r"train: stopped by a signal to another rank after step (\d+) ", log)
     assert stopped, log[-3000:]
     step = int(stopped.group(1))
-    assert checkpoint_step(tmp_path) == step and (step - 1) % 3 == 0  # after a logging step
+    assert checkpoint_step(tmp_path) == step and agreed_after(step), step
     # each node's torchrun: one line a rank, no traceback (scripts/torchrun.py)
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     assert re.search(r"torchrun: rank 1 \(pid \d+\) exited with status 143, the first", log)
