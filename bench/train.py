@@ -62,7 +62,8 @@ speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd)
 muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
 contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
 contended.vs_quiet and contended.vs_quiet_per_pair (the worst pair), the same as
-ffd.contended.* for ours_ffd+contend, gram.speedup_vs_standard (min), pack_fill (the
+ffd.contended.* for ours_ffd+contend, gram.speedup_vs_standard (min), under DDP
+muon_split.speedup_vs_every_rank (min), pack_fill (the
 workflow's default packing, ffd, over one epoch of the bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 2026-12-04) and
 ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
@@ -841,6 +842,7 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     - ours+contend and ours_ffd+contend (busy processes in the window) against quiet ours
       and ours_ffd: medians, and per pair;
     - ours_ffd against ours (fuller batches);
+    - under DDP, ours_muon_ffd (Muon split over the ranks) against ours_muon_ffd_every_rank;
     - ours_muon_ffd_cg and ours_muon_ffd_cppwrap against ours_muon_ffd: tokens/s per pair,
       and where the runs logged their losses (--log-every), the largest relative difference
       between the losses of each pair's runs (the same batches, the same kernels launched
@@ -900,6 +902,8 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     comparison("muon_ffd.speedup_vs_speculators_cli", "ours_muon_ffd", "speculators_cli")
     comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
     comparison("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
+    # under DDP: Muon split over the ranks against every rank orthogonalising every matrix
+    comparison("muon_split.speedup_vs_every_rank", "ours_muon_ffd", "ours_muon_ffd_every_rank")
     if "gram.speedup_vs_standard" in summary:  # with --log-every: how far the losses drift
         same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")

@@ -301,3 +301,14 @@ def test_every_queued_train_command_parses_and_names_known_variants(bench, capsy
     with pytest.raises(SystemExit):
         bench.parse_args(["--variants", "ours,ours_muon_fdd"])
     assert "--variants: unknown ours_muon_fdd; choose from ours," in capsys.readouterr().err
+
+
+def test_summary_compares_muon_split_over_the_ranks_with_every_rank_computing_all(bench):
+    """Under DDP the default recipe with Muon split over the ranks against every rank
+    orthogonalising every matrix: the ratio per interleaved pair, its min and median."""
+    results = [run("ours_muon_ffd", 52000), run("ours_muon_ffd_every_rank", 40000),
+               run("ours_muon_ffd", 50000), run("ours_muon_ffd_every_rank", 41000)]  # fmt: skip
+    summary, lines = bench.summarize(results, "2xh200")
+    assert summary["muon_split.speedup_vs_every_rank"]["pairs"] == [1.3, 1.22]
+    assert "train.2xh200.muon_split.speedup_vs_every_rank = 1.220" in lines
+    assert "train.2xh200.muon_split.speedup_vs_every_rank.median = 1.260" in lines
