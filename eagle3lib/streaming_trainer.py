@@ -428,7 +428,7 @@ class StreamingTrainer(Trainer):
             self._schedulers_step()
 
             at_log_step = self.global_step % self.config.log_freq == 0
-            if at_log_step:  # the only host sync
+            if at_log_step:  # the only full host sync (a stop vote waits a step behind)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 now = time.perf_counter()
