@@ -1196,24 +1196,37 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY if smoke else SMOLLM2 if small else LLAMA_8B
-    verifier = make_verifier(out / "verifier", shape)
-    record = materialize(str(verifier), "bench-verifier", out / "unused")
-    rng = np.random.default_rng(0)
-    low, high = (32, 200) if smoke else (256, 1024) if small else (256, 2048)
-    lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
-    data = {"bf16": make_shards(out, record, lengths, 4, seed=0)}
-    if any(variant(n).storage == "fp8" for n in names):
-        (out / "fp8").mkdir(exist_ok=True)
-        data["fp8"] = make_shards(out / "fp8", record, lengths, 4, seed=0, storage="fp8")
-    freq = np.bincount(rng.integers(0, shape["vocab_size"], 200000), minlength=shape["vocab_size"])
-    d2t, t2d = vocab.build(freq, args.draft_vocab)
-    vocab_map = {"d2t": d2t, "t2d": t2d}
+
+    def prepare():
+        """The bench's verifier folder and shards, written where missing, and its vocab map."""
+        verifier = make_verifier(out / "verifier", shape)
+        record = materialize(str(verifier), "bench-verifier", out / "unused")
+        rng = np.random.default_rng(0)
+        low, high = (32, 200) if smoke else (256, 1024) if small else (256, 2048)
+        lengths = [int(x) for x in rng.integers(low, high + 1, args.samples)]
+        data = {"bf16": make_shards(out, record, lengths, 4, seed=0)}
+        if any(variant(n).storage == "fp8" for n in names):
+            (out / "fp8").mkdir(exist_ok=True)
+            data["fp8"] = make_shards(out / "fp8", record, lengths, 4, seed=0, storage="fp8")
+        v = shape["vocab_size"]
+        d2t, t2d = vocab.build(
+            np.bincount(rng.integers(0, v, 200000), minlength=v), args.draft_vocab
+        )
+        return record, lengths, data, {"d2t": d2t, "t2d": t2d}
+
+    from eagle3lib import distributed
+
+    # under torchrun every rank trains on the same files: rank 0 writes them while the others
+    # wait, then they read them (two ranks writing the same shard at once corrupt it)
+    first = distributed.setup_distributed() == 0
+    prepared = prepare() if first else None
+    distributed.barrier()
+    record, lengths, data, vocab_map = prepared or prepare()
 
     allow_recompiles(1024)  # every run builds a new draft: never fall back to eager
     results: list[dict] = []
     failures: list[dict] = []
     partial = out / f"bench_train.partial-{os.environ.get('RANK', '0')}.json"
-    from eagle3lib import distributed
 
     with distributed.torn_down():
         for index, name in enumerate(names):
