@@ -1026,7 +1026,13 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
             taken = [(o, p) for o in opts if type(o) is muon.BatchedMuon
                      for g in o.param_groups for p in g["params"]]  # fmt: skip
             batched = sum(o.batched for o, _ in taken)
-            by_gram = {id(p) for o, p in taken if o.gram and muon._gram_pays(*sorted(p.shape), 5)}
+            by_gram = {  # the matrices the optimiser's own units take by Gram Newton-Schulz
+                id(g["params"][i])
+                for o in opts if type(o) is muon.BatchedMuon for g in o.param_groups
+                for indices, kind in muon._units(g["params"], g["ns_steps"], gram=o.gram,
+                                                 batched=o.batched)
+                if kind == "gram" for i in indices
+            }  # fmt: skip
             gram = [id(p) in by_gram for p in params]
         elif name == "Fp32Muon":
             opts = [Fp32Muon.like(opts[0])]

@@ -126,7 +126,7 @@ def _fp32_accumulation():
         matmul.allow_fp16_reduced_precision_reduction = before
 
 
-def _gram_newton_schulz_scaled(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
+def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     """torch's iteration for a stack (B, m, n) with m <= n, in Gram form and fp16: each matrix
     divided by its own Frobenius norm (in fp32), then X_(k+1) = P_k X_k with P_k = a I + b A_k
     + c A_k^2 and A_k = X_k X_k^T, carried as X_k = Q_k X_0 and A_(k+1) = P_k A_k P_k (the
@@ -152,13 +152,6 @@ def _gram_newton_schulz_scaled(stacked: Tensor, coefficients, steps: int, eps: f
             if k + 1 < steps and k + 1 not in restarts:
                 gram = torch.bmm(p, torch.bmm(gram, p))
         return x if q is None else torch.bmm(q, x)
-
-
-def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
-    """``_gram_newton_schulz_scaled``'s result in fp32, unscaled (exactly: a power of two)."""
-    return (
-        _gram_newton_schulz_scaled(stacked, coefficients, steps, eps).float().mul_(1 / GRAM_SCALE)
-    )
 
 
 def exact_newton_schulz(g: Tensor, coefficients, steps: int) -> Tensor:
@@ -222,7 +215,7 @@ def _unit_result(updates: list[Tensor], kind: str, coefficients, steps: int, eps
         return _oriented(_zeropower_via_newtonschulz(updates[0], coefficients, steps, eps))[None]
     stacked = torch.stack([_oriented(u) for u in updates])
     if kind == "gram":
-        return _gram_newton_schulz_scaled(stacked, coefficients, steps, eps)
+        return _gram_newton_schulz(stacked, coefficients, steps, eps)
     return _newton_schulz(stacked.bfloat16(), coefficients, steps, eps)
 
 
