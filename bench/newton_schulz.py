@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from eagle3lib import muon
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout
+from eagle3lib import muon  # noqa: E402
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default ns_coefficients
 STEPS, EPS = 5, 1e-7

@@ -49,6 +49,10 @@ model are used by both. Variants (``VARIANTS``):
 ``name+contend`` runs a variant with --contend busy processes (each copying 32 MB arrays: a
 core and memory bandwidth, as other jobs of the node) from its first step to the end of its
 timed window. --repeat N runs the variant list N times in order, so pairs interleave.
+Every run's OpenMP threads wait passively, as in the workflow's jobs (OMP_WAIT_POLICY=PASSIVE
+unless set otherwise); ours runs with torch's intra-op threads held to the train job's share
+of a GPU (``config.process_threads``: 5 with 4 loader threads), speculators' trainer with
+torch's default (until 2026-12-05 every run had torch's default threads and spinning waits).
 
 Real (non-padding) tokens per second are timed between steps --warmup and --steps with the
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
@@ -121,7 +125,8 @@ start more slowly):
          --variants ours_muon_ffd,ours_muon_ffd_cppwrap,ours_muon_ffd_cg
      (CUDA graphs only in the timed rounds, logging every 10 steps as the default recipe does:
      whether the 9.7 x holds without a sync every step)
-  4. one H200, 11 runs and two checks, perhaps 12 min (not run yet): Gram Newton-Schulz
+  4. one H200, 11 runs and two checks, 12 min of runs (run 2026-12-05 but for the first
+     command, which then failed to import eagle3lib; BENCHMARKS.md): Gram Newton-Schulz
      (train.newton_schulz: gram, the default since 2026-12-05) against torch's iteration,
      matrix by matrix at the 8B-shaped draft's shapes, on its optimiser step, and in the
      default recipe against speculators' CLI defaults (#16's 1.6 x):
@@ -133,6 +138,11 @@ start more slowly):
          --log-every 1 --variants ours_muon_ffd,ours_muon_ffd_standard
      (the last pair logs every step: how far the losses of the two drift apart in 50 steps)
   Plans 4 and 3 are the queue bench/queues/train-gram.txt (bench/gpu_queue.sh).
+  5. one H200, about 20 runs, perhaps 17 min: #16's one-GPU pairs again with the train job's
+     threads and passive OpenMP waits (ffd under 12 busy processes, 4 pairs; the default
+     recipe against speculators' CLI defaults, 4 pairs; AdamW against speculators at 0 and 4
+     workers, 3 pairs), then the first command of plan 4: the queue
+     bench/queues/train-threads.txt.
 """
 
 from __future__ import annotations
@@ -148,13 +158,22 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# As in the workflow's jobs (rules/common.smk): torch's OpenMP threads wait passively instead
+# of spinning, which libgomp reads once, before torch loads it. A value set outside is kept
+# (OMP_WAIT_POLICY=ACTIVE: spinning). It holds for every variant, speculators' trainer too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3lib.config import TrainConfig  # noqa: E402
+from eagle3lib.config import TrainConfig, process_threads  # noqa: E402
+
+# torch's intra-op threads in this process before any run changes them: what speculators'
+# trainer runs with (ours runs with what the train job sets, ``intra_op_threads``)
+TORCH_THREADS = torch.get_num_threads()
 
 LLAMA_8B = dict(
     vocab_size=128256,
@@ -653,7 +672,9 @@ def run_variant(
         shutil.rmtree(state)
     started, graphs_before = time.perf_counter(), compiled_graphs()
     skips_before = compile_counter("inductor", "cudagraph_skips")
+    threads = intra_op_threads(v)
     try:
+        torch.set_num_threads(threads)
         with compiled_newton_schulz(v.compiled_ns), inductor_settings(v):
             stats = train.train(
                 cfg,
@@ -669,6 +690,7 @@ def run_variant(
         if clock.sync_sites is not None:
             clock.sync_sites.close()
         clock.busy.stop()
+        torch.set_num_threads(TORCH_THREADS)
     (out / f"profile-{name}.txt").write_text(clock.table)
     if clock.sync_sites is not None and clock.sync_sites.steps:
         (out / f"sync-sites-{name}.txt").write_text(clock.sync_sites.report() + "\n")
@@ -706,6 +728,8 @@ def run_variant(
         "optimizer": v.optimizer,
         "packing": v.packing,
         "contend": busy,
+        "intra_op_threads": threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "steps_timed": steps_timed,
         "real_tokens": tokens,
         # real tokens over positions in the window, every rank's batches together
@@ -730,6 +754,14 @@ def run_variant(
         "loss_implementation": stats["loss_implementation"],
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def intra_op_threads(v: Variant) -> int:
+    """torch's intra-op threads for a run of ``v``: ours, what the train job gives each process
+    (rules/train.smk asks a node for ``process_threads`` cores a GPU, and scripts/train.py holds
+    torch's threads to each process's share); speculators' trainer, torch's default here (what
+    its CLI runs with)."""
+    return process_threads(v.loader_threads) if v.trainer == "ours" else TORCH_THREADS
 
 
 @contextlib.contextmanager

@@ -232,6 +232,14 @@ class TrainConfig:
     gpus: int = 0
 
 
+def process_threads(loader_threads: int) -> int:
+    """The cores one train process (one per GPU of a node) asks for: its training thread and
+    its ``loader_threads`` batch-loading threads. torch's intra-op threads are held to as many
+    (scripts/train.py), so that beside other jobs' busy processes the process does not run more
+    threads than the cores it was given."""
+    return 1 + loader_threads
+
+
 @dataclasses.dataclass(frozen=True)
 class EvaluateConfig:
     k: int | list[int] = 3

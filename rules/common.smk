@@ -10,6 +10,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import acceptance_gate  # noqa: E402
 from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
+from eagle3lib.config import process_threads  # noqa: E402
 from eagle3lib.config import repeated_keys  # noqa: E402
 from eagle3lib.config import synthetic_keys_left_out  # noqa: E402
 from eagle3lib import preflight  # noqa: E402

@@ -25,7 +25,7 @@ rule train:
     conda:
         "../envs/train.yaml"
     # per process (one per GPU of a node): its training thread and its batch-loading threads
-    threads: max(1, config["train"]["gpus"]) * (1 + config["train"]["loader_threads"])
+    threads: max(1, config["train"]["gpus"]) * process_threads(config["train"]["loader_threads"])
     resources:
         **train_resources(),
     params:

@@ -14,13 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def smoke(script: str, *args: str, root: Path = ROOT) -> str:
+def smoke(script: str, *args: str, root: Path = ROOT, env: dict | None = None) -> str:
     done = subprocess.run(
         [sys.executable, str(root / "bench" / script), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=900,
         cwd=root,
+        env=env,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done.stdout
@@ -63,17 +64,26 @@ def test_newton_schulz_on_the_packaged_verifiers_own_states(tmp_path):
 
 def test_train_smoke(tmp_path):
     """Its verifier passes the verifier checks (a tokenizer with a chat template), and each
-    variant trains a draft of --num-layers layers."""
+    variant trains a draft of --num-layers layers. Run as the workflow runs the train job:
+    OpenMP's threads waiting passively (set by the bench where the environment does not) and
+    ours with torch's threads held to the job's share; speculators' trainer with torch's
+    default threads (here set to 1, unlike the job's 5)."""
     import json
+    import os
 
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = smoke(
         "train.py", "--profile-steps", "0", "--variants", "ours,speculators_fastest",
         "--num-layers", "2", "--muon-check", "2", "--out", str(tmp_path),
+        env={**env, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     summary = json.loads((tmp_path / "bench_train.json").read_text())
     results = summary["results"]
     assert [r["name"] for r in results] == ["ours", "speculators_fastest"]
     assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)
+    # ours: its training thread and 4 loader threads (the train job's); theirs: torch's default
+    assert [r["intra_op_threads"] for r in results] == [5, 1]
+    assert {r["omp_wait_policy"] for r in results} == {"PASSIVE"}
     assert "train.cpu.tokens_per_s = " in out
     # the train job's Muon against torch's on the two-layer draft's Muon matrices: all small,
     # so all batched by torch's iteration (none large enough for Gram Newton-Schulz)
