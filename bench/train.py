@@ -56,7 +56,9 @@ torch's default (until 2026-12-05 every run had torch's default threads and spin
 
 Real (non-padding) tokens per second are timed between steps --warmup and --steps with the
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
-window (ours only). The summary pairs the i-th runs of: ours and speculators' trainer at its
+window (ours only); "rq wait" (``training_thread`` in the JSON) the share of the window the
+training thread spent runnable but waiting for a core (Linux's schedstat: starved by other
+processes), beside the share it ran. The summary pairs the i-th runs of: ours and speculators' trainer at its
 best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
 that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
 ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
@@ -476,6 +478,20 @@ class StepClock:
         self.busy = Busy(busy)
         self.trainer = None
         self.waits: list[float] = []
+        self.sched: list[tuple[int, int] | None] = []  # the training thread's, at both ends
+
+    def training_thread(self) -> dict | None:
+        """How the training thread (the one launching the step's kernels) spent the window:
+        the fractions of it running on a core and waiting, runnable, for one (the kernel's
+        run queue; starved by other processes). None where Linux does not report it."""
+        if len(self.sched) != 2 or None in self.sched or not self.t1:
+            return None
+        wall = (self.t1 - self.t0) * 1e9
+        (run0, wait0), (run1, wait1) = self.sched
+        return {
+            "cpu_fraction": round((run1 - run0) / wall, 3),
+            "runqueue_wait_fraction": round((wait1 - wait0) / wall, 4),
+        }
 
     def data_wait(self) -> float | None:
         """Seconds the training loop waited for batches inside the window (ours only)."""
@@ -492,6 +508,8 @@ class StepClock:
                 self.t0 = time.perf_counter()
             else:
                 self.t1 = time.perf_counter()
+            self.sched.append(thread_schedstat())
+            if self.step == self.stop:
                 self.busy.stop()
             if hasattr(self.trainer, "data_wait_seconds"):
                 self.waits.append(self.trainer.data_wait_seconds)
@@ -536,6 +554,16 @@ class StepClock:
         except Exception as exc:  # noqa: BLE001
             print(f"profiler failed: {exc}", flush=True)
         self.prof = None
+
+
+def thread_schedstat() -> tuple[int, int] | None:
+    """The calling thread's nanoseconds on a core and waiting in the run queue so far
+    (Linux's /proc/thread-self/schedstat), or None where the kernel does not report them."""
+    try:
+        run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(run), int(wait)
 
 
 class SyncSites:
@@ -739,6 +767,8 @@ def run_variant(
         "tokens_per_s": round(tokens / seconds),
         # the training loop's wait for batches: in the timed window, and over the whole run
         "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
+        # the training thread in the window: on a core, and runnable but waiting for one
+        "training_thread": clock.training_thread(),
         "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
@@ -1329,13 +1359,16 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     print(
         f"{'variant':26s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s} {'fill':>6s}"
-        f" {'data wait':>9s} {'wall s':>7s}"
+        f" {'data wait':>9s} {'rq wait':>8s} {'wall s':>7s}"
     )
     for r in results:
         wait = "-" if r["data_wait_fraction"] is None else f"{r['data_wait_fraction']:.4f}"
+        thread = r.get("training_thread")  # absent from runs of earlier code (--baseline)
+        queued = "-" if not thread else f"{thread['runqueue_wait_fraction']:.4f}"
         print(
             f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
-            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {r['wall_s']:7.1f}"
+            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {queued:>8s}"
+            f" {r['wall_s']:7.1f}"
         )
     print("\n".join(lines))
     print(f"bench wall time: {wall} s")

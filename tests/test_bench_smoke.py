@@ -84,6 +84,13 @@ def test_train_smoke(tmp_path):
     # ours: its training thread and 4 loader threads (the train job's); theirs: torch's default
     assert [r["intra_op_threads"] for r in results] == [5, 1]
     assert {r["omp_wait_policy"] for r in results} == {"PASSIVE"}
+    # the training thread's time in the window from Linux's schedstat: on a core for part of
+    # it (it trains on the CPU here), never more than all of it; waiting for a core the rest
+    if Path("/proc/thread-self/schedstat").exists():
+        for thread in (r["training_thread"] for r in results):
+            assert 0.05 < thread["cpu_fraction"] <= 1.01, thread
+            assert 0 <= thread["runqueue_wait_fraction"] <= 1.01 - thread["cpu_fraction"], thread
+    assert " rq wait " in out
     assert "train.cpu.tokens_per_s = " in out
     # the train job's Muon against torch's on the two-layer draft's Muon matrices: all small,
     # so all batched by torch's iteration (none large enough for Gram Newton-Schulz)
