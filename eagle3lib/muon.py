@@ -126,6 +126,13 @@ def _fp32_accumulation():
         matmul.allow_fp16_reduced_precision_reduction = before
 
 
+def _scaled_half(x: Tensor, scale: Tensor) -> Tensor:
+    """``(x * scale).half()``, contiguous, by one kernel: the product is rounded to fp32 and
+    then to fp16 as there, without writing and reading the fp32 product."""
+    out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    return torch.mul(x, scale, out=out)
+
+
 def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     """torch's iteration for a stack (B, m, n) with m <= n, in Gram form and fp16: each matrix
     divided by its own Frobenius norm (in fp32), then X_(k+1) = P_k X_k with P_k = a I + b A_k
@@ -138,7 +145,7 @@ def _gram_newton_schulz(stacked: Tensor, coefficients, steps: int, eps: float) -
     s = t * t
     x = stacked.float()
     norms = torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True)
-    x = (x * (t / norms.clamp(min=eps))).half()
+    x = _scaled_half(x, t / norms.clamp(min=eps))
     with _fp32_accumulation():
         gram = torch.bmm(x, x.mT)  # s A_0
         q, restarts = None, _restarts(steps)
@@ -213,10 +220,12 @@ def _unit_result(updates: list[Tensor], kind: str, coefficients, steps: int, eps
     the updates of it): bf16, or for "gram" fp16 times GRAM_SCALE. Contiguous."""
     if kind == "torch":  # its result is in the input's orientation (a tall one transposed back)
         return _oriented(_zeropower_via_newtonschulz(updates[0], coefficients, steps, eps))[None]
-    stacked = torch.stack([_oriented(u) for u in updates])
-    if kind == "gram":
+    if kind == "gram":  # one matrix as a view: the iteration's first step copies it
+        one = len(updates) == 1
+        stacked = _oriented(updates[0])[None] if one else torch.stack(list(map(_oriented, updates)))
         return _gram_newton_schulz(stacked, coefficients, steps, eps)
-    return _newton_schulz(stacked.bfloat16(), coefficients, steps, eps)
+    return _newton_schulz(torch.stack([_oriented(u) for u in updates]).bfloat16(), coefficients,
+                          steps, eps)  # fmt: skip
 
 
 def _empty_result(like: list[Tensor], kind: str) -> Tensor:
@@ -230,8 +239,13 @@ def _unpacked(result: Tensor, kind: str, like: list[Tensor]) -> list[Tensor]:
     unscaling by a power of two, exact)."""
     if kind == "gram":
         result = result.float().mul_(1 / GRAM_SCALE)
+    return _oriented_as(result.to(like[0].dtype), like)
+
+
+def _oriented_as(result: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The matrices of ``result`` (B, m, n) as views in the orientation of ``like``'s."""
     return [o.T if u.shape[0] > u.shape[1] else o
-            for u, o in zip(like, result.to(like[0].dtype).unbind(0), strict=True)]  # fmt: skip
+            for u, o in zip(like, result.unbind(0), strict=True)]  # fmt: skip
 
 
 def _orthogonalised(updates: list[Tensor], coefficients, steps: int, eps: float, *,
@@ -308,19 +322,26 @@ class Ranks:
         return owners
 
 
-def _apply(params: list[Tensor], ortho: list[Tensor], lr: float, weight_decay: float,
+def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float, weight_decay: float,
            adjust_lr_fn, batched: bool) -> None:  # fmt: skip
-    """torch's weight decay and update (its lr scale depends on the matrix's orientation,
-    which a unit's matrices need not share)."""
+    """torch's weight decay and update from a unit's ``_unit_result`` (its lr scale depends on
+    the matrix's orientation, which a unit's matrices need not share). A "gram" result is
+    added to fp32 or fp64 parameters in fp16 with GRAM_SCALE folded into the step size: the
+    same bits as adding its ``_unpacked`` updates (the scale is a power of two, and the fp16
+    values convert exactly), without writing and reading them."""
+    if kind == "gram" and params[0].dtype in (torch.float32, torch.float64):
+        ortho, scale = _oriented_as(result, params), 1 / GRAM_SCALE
+    else:
+        ortho, scale = _unpacked(result, kind, params), 1.0
     if not batched:
         for p, o in zip(params, ortho, strict=True):
             p.mul_(1 - lr * weight_decay)
-            p.add_(o, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape))
+            p.add_(o, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape) * scale)
         return
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     by_alpha: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, o in zip(params, ortho, strict=True):
-        ps, us = by_alpha.setdefault(-_adjust_lr(lr, adjust_lr_fn, p.shape), ([], []))
+        ps, us = by_alpha.setdefault(-_adjust_lr(lr, adjust_lr_fn, p.shape) * scale, ([], []))
         ps.append(p)
         us.append(o)
     for alpha, (ps, us) in by_alpha.items():
@@ -380,14 +401,12 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
             work = dist.broadcast(result, src=source, group=ranks.group, async_op=True)
             sent.append((u, result, work))
             continue
-        _apply(unit_params, _unpacked(result, kind, unit_params), lr, weight_decay,
-               adjust_lr_fn, batched)  # fmt: skip
+        _apply(unit_params, result, kind, lr, weight_decay, adjust_lr_fn, batched)
         del result
     for u, result, work in sent:
         work.wait()
         unit_params = [params[i] for i in units[u][0]]
-        ortho = _unpacked(result, units[u][1], unit_params)
-        _apply(unit_params, ortho, lr, weight_decay, adjust_lr_fn, batched)
+        _apply(unit_params, result, units[u][1], lr, weight_decay, adjust_lr_fn, batched)
 
 
 def _normalised_as_torch_does(buf: Tensor, eps: float) -> None:

@@ -660,3 +660,45 @@ def test_split_over_a_hosts_ranks_gives_each_the_unsplit_update(tmp_path, hosts)
         assert results["built"]["gram"] == [("BatchedMuon", True, False, split[r]),
                                             ("BatchedMuon", False, True, split[r])]  # fmt: skip
         assert results["built"]["standard"] == [("BatchedMuon", True, False, split[r]), large]
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+def test_scaling_to_fp16_in_one_kernel_gives_the_two_kernels_bits(tall):
+    """Gram Newton-Schulz's input, scaled and stored in fp16 by one kernel: the bits of scaling
+    in fp32 and then casting, on values spread over fp16's whole range (a tall matrix's
+    transposed view included), and contiguous."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, 96, generator=gen) * torch.logspace(-6, 4, 96)
+    x = x.mT if tall else x
+    scale = torch.rand(3, 1, 1, generator=gen) * 100 + 0.5
+    ours = muon._scaled_half(x, scale)
+    assert ours.dtype == torch.float16 and ours.is_contiguous()
+    assert torch.equal(ours, (x * scale).half())
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"], ids=str)
+def test_gram_update_added_in_fp16_equals_adding_it_unpacked(nesterov, adjust_lr_fn):
+    """A Gram unit's fp16 result is added with its scale folded into the step size (no fp32
+    copy of it): every parameter ends as it does when the unpacked fp32 update is added as
+    torch's Muon adds it, p (1 - lr wd) - lr' o, to the bit, for wide and tall matrices."""
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(32, 128), (128, 32)]  # both wide enough for the Gram form, one transposed
+    assert all(muon._gram_pays(min(s), max(s), 5) for s in shapes)
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                    adjust_lr_fn=adjust_lr_fn)  # fmt: skip
+    opt = GRAM_ONE_AT_A_TIME(params, **settings)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+    for w, g, p in zip(weights, grads, params, strict=True):
+        buf = torch.zeros_like(g).lerp_(g, 1 - 0.95)
+        update = g.lerp(buf, 0.95) if nesterov else buf
+        result = muon._unit_result([update], "gram", (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        (o,) = muon._unpacked(result, "gram", [w])
+        lr = muon._adjust_lr(0.02, adjust_lr_fn, w.shape)
+        expected = w.clone().mul_(1 - 0.02 * 0.1).add_(o, alpha=-lr)
+        assert torch.equal(p.detach(), expected), w.shape
