@@ -484,14 +484,11 @@ class StepClock:
         """How the training thread (the one launching the step's kernels) spent the window:
         the fractions of it running on a core and waiting, runnable, for one (the kernel's
         run queue; starved by other processes). None where Linux does not report it."""
-        if len(self.sched) != 2 or None in self.sched or not self.t1:
+        from eagle3lib.streaming_trainer import thread_shares
+
+        if len(self.sched) != 2 or not self.t1:
             return None
-        wall = (self.t1 - self.t0) * 1e9
-        (run0, wait0), (run1, wait1) = self.sched
-        return {
-            "cpu_fraction": round((run1 - run0) / wall, 3),
-            "runqueue_wait_fraction": round((wait1 - wait0) / wall, 4),
-        }
+        return thread_shares(*self.sched, self.t1 - self.t0)
 
     def data_wait(self) -> float | None:
         """Seconds the training loop waited for batches inside the window (ours only)."""
@@ -508,6 +505,8 @@ class StepClock:
                 self.t0 = time.perf_counter()
             else:
                 self.t1 = time.perf_counter()
+            from eagle3lib.streaming_trainer import thread_schedstat
+
             self.sched.append(thread_schedstat())
             if self.step == self.stop:
                 self.busy.stop()
@@ -554,16 +553,6 @@ class StepClock:
         except Exception as exc:  # noqa: BLE001
             print(f"profiler failed: {exc}", flush=True)
         self.prof = None
-
-
-def thread_schedstat() -> tuple[int, int] | None:
-    """The calling thread's nanoseconds on a core and waiting in the run queue so far
-    (Linux's /proc/thread-self/schedstat), or None where the kernel does not report them."""
-    try:
-        run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
-    except (OSError, ValueError):
-        return None
-    return int(run), int(wait)
 
 
 class SyncSites:

@@ -16,6 +16,43 @@ from eagle3lib.lifetime import StopRequest, stop_requests
 from eagle3lib.speculators_compat import speculators_patches
 
 
+def thread_schedstat() -> tuple[int, int] | None:
+    """The calling thread's nanoseconds so far on a core and runnable but waiting for one (in
+    the kernel's run queue), from Linux's /proc/thread-self/schedstat; None where the kernel
+    does not report them."""
+    try:
+        run, wait, _ = open("/proc/thread-self/schedstat").read().split()  # noqa: PTH123, SIM115
+    except (OSError, ValueError):
+        return None
+    return int(run), int(wait)
+
+
+def thread_shares(before, after, seconds: float) -> dict[str, float] | None:
+    """How a thread spent ``seconds`` between two ``thread_schedstat`` readings: the fraction
+    on a core and the fraction waiting for one (other processes holding the cores)."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    return {
+        "cpu_fraction": round((after[0] - before[0]) / (seconds * 1e9), 3),
+        "runqueue_wait_fraction": round((after[1] - before[1]) / (seconds * 1e9), 4),
+    }
+
+
+STARVED = 0.05  # a training thread waiting for a core longer than this share of its run
+
+
+def starved_line(shares: dict[str, float] | None, rank: int) -> str | None:
+    """A warning where the training thread (the one launching the GPU's work) waited for a
+    core more than STARVED of the run, else None."""
+    if not shares or shares["runqueue_wait_fraction"] <= STARVED:
+        return None
+    return (
+        f"train: rank {rank}'s training thread waited for a CPU core "
+        f"{shares['runqueue_wait_fraction']:.0%} of the run, so other processes on this machine "
+        "slowed the training: run fewer jobs beside it, or give it cores of its own"
+    )
+
+
 def duration(seconds: float) -> str:
     """``1 h 02 min``, ``3 min 20 s`` or ``42 s``."""
     s = max(0, round(seconds))

@@ -28,7 +28,12 @@ from eagle3lib.distributed import barrier, ranks_agree, setup_distributed, world
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_json
 from eagle3lib.speculators_compat import cpu_trainer_patches, speculators_patches
-from eagle3lib.streaming_trainer import StreamingTrainer
+from eagle3lib.streaming_trainer import (
+    StreamingTrainer,
+    starved_line,
+    thread_schedstat,
+    thread_shares,
+)
 from eagle3lib.train_data import (
     ShardDataset,
     fp8_inputs,
@@ -378,7 +383,7 @@ def train(
         model.register_forward_pre_hook(fp8_inputs(dtype), with_kwargs=True)
     loaders = _loaders(cfg, shard_paths, pairs, record["hidden_size"], len(aux), dtype, storage)
     trainer_config = _trainer_config(cfg, state_dir, runtime)
-    t0 = time.perf_counter()
+    t0, sched0 = time.perf_counter(), thread_schedstat()
     with compile_fallbacks() as uncompiled:
         trainer = _run_trainer(
             trainer_class,
@@ -390,6 +395,9 @@ def train(
             metrics_path,
         )
     seconds = time.perf_counter() - t0
+    thread = thread_shares(sched0, thread_schedstat(), seconds)
+    if (line := starved_line(thread, rank)) is not None:
+        print(line, file=sys.stderr, flush=True)
     for where in uncompiled:
         print(
             f"train: torch.compile reached its recompile limit on {where}; calls matching none "
@@ -417,6 +425,8 @@ def train(
         "seconds": seconds,
         "uncompiled_functions": uncompiled,
         "ranks_agree": agree,  # under DDP: every rank ended with the same weights
+        # this rank's training thread over the run: on a core, and waiting for one
+        "training_thread": thread,
         **_run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds),
         "rank": rank,
     }

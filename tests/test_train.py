@@ -24,6 +24,48 @@ def test_training_runs_and_records_loss_curves(pipeline):
     assert all(math.isfinite(x) for x in curves["train_loss"])
     assert [v["epoch"] for v in curves["val"]] == [0, 1]
     assert curves["step"] == list(range(len(curves["step"])))
+    # the training thread's time over the run (Linux's schedstat): it trained on a core here
+    if streaming_trainer.thread_schedstat() is not None:
+        thread = stats["training_thread"]
+        assert 0.05 < thread["cpu_fraction"] <= 1.01, thread
+        assert 0 <= thread["runqueue_wait_fraction"] <= 1.01 - thread["cpu_fraction"], thread
+
+
+def test_the_training_threads_time_on_a_core_is_its_cpu_time():
+    """thread_schedstat reads the calling thread's own time on a core: over a spin of 0.2 s
+    of CPU time it grows by what time.thread_time says, not by another thread's time."""
+    import threading
+    import time
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before, cpu0 = streaming_trainer.thread_schedstat(), time.thread_time()
+    if before is None:
+        pytest.skip("this kernel reports no schedstat")
+    other = threading.Thread(target=spin, args=(0.3,))
+    other.start()
+    spin(0.2)
+    other.join()
+    after, cpu1 = streaming_trainer.thread_schedstat(), time.thread_time()
+    assert (after[0] - before[0]) / 1e9 == pytest.approx(cpu1 - cpu0, abs=0.02)
+    assert after[1] >= before[1]
+
+
+def test_a_starved_training_thread_is_reported():
+    """The fractions of a run between two readings, and the warning where the thread waited
+    for a core more than 5 % of it."""
+    shares = streaming_trainer.thread_shares((1_000, 0), (500_001_000, 200_000_000), 1.0)
+    assert shares == {"cpu_fraction": 0.5, "runqueue_wait_fraction": 0.2}
+    assert streaming_trainer.thread_shares(None, (1, 1), 1.0) is None
+    line = streaming_trainer.starved_line(shares, 1)
+    assert line.startswith("train: rank 1's training thread waited for a CPU core 20% of the run")
+    assert "run fewer jobs beside it, or give it cores of its own" in line
+    quiet = {"cpu_fraction": 0.9, "runqueue_wait_fraction": 0.05}
+    assert streaming_trainer.starved_line(quiet, 0) is None
+    assert streaming_trainer.starved_line(None, 0) is None
 
 
 def test_dataset_serves_speculators_contract_from_shards(pipeline):
