@@ -58,8 +58,8 @@ Real (non-padding) tokens per second are timed between steps --warmup and --step
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
 window (ours only); "rq wait" (``training_thread`` in the JSON) the share of the window the
 training thread spent runnable but waiting for a core (Linux's schedstat: starved by other
-processes), beside the share it ran. The summary pairs the i-th runs of: ours and speculators' trainer at its
-best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
+processes), beside the share it ran. The summary pairs the i-th runs of: ours and
+speculators' trainer at its best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
 that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
 ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
 pair's ratio, the min and the median.
@@ -779,7 +779,7 @@ def intra_op_threads(v: Variant) -> int:
     """torch's intra-op threads for a run of ``v``: ours, what the train job gives each process
     (rules/train.smk asks a node for ``process_threads`` cores a GPU, and scripts/train.py holds
     torch's threads to each process's share); speculators' trainer, torch's default here (what
-    its CLI runs with)."""
+    its CLI gets when started as one process)."""
     return process_threads(v.loader_threads) if v.trainer == "ours" else TORCH_THREADS
 
 
