@@ -311,6 +311,25 @@ class Ranks:
                     group = made
         return cls(mine.index(me), tuple(mine), group) if len(mine) > 1 else None
 
+    def check_same_matrices(self, shapes: list[list[tuple[int, ...]]]) -> None:
+        """Raise where the host's ranks are about to step different matrices (``shapes``: this
+        rank's with gradients, by parameter group): their broadcasts would not match and the step would hang. DDP
+        gives every rank gradients for the same parameters; this catches any other caller, once
+        (one gather of the shapes over the host's ranks)."""
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, shapes, group=self.group)
+        other = next((i for i, g in enumerate(gathered) if g != gathered[0]), None)
+        if other is not None:
+            count = [sum(map(len, gathered[i])) for i in (0, other)]  # matrices, all groups
+            raise RuntimeError(
+                f"Muon split over ranks: rank {self.members[0]} steps {count[0]} matrices with "
+                f"gradients, rank {self.members[other]} {count[1]} (or of other shapes); the "
+                "ranks sharing Muon's work must hold gradients for the same parameters, as DDP "
+                "gives them"
+            )
+
     def owners(self, costs: list[int]) -> list[int]:
         """The member orthogonalising each unit (its index in ``members``): the costliest
         unit first, each to the least loaded member (the same on every rank: it depends on
@@ -360,7 +379,8 @@ def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentu
     rank (``Ranks.owners``) and broadcast from it while the next runs: every rank applies
     the same bits, each holding the results it sent and received until they are applied.
     Every rank must hold gradients for the same parameters (as DDP gives them), or the ranks'
-    broadcasts do not match and the step hangs."""
+    broadcasts do not match and the step hangs (BatchedMuon checks it at its first step:
+    ``Ranks.check_same_matrices``)."""
     if batched:
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
     else:
@@ -454,11 +474,18 @@ class BatchedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        groups = []
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []
             bufs: list[Tensor] = []
             self._init_group(group, params, grads, bufs)
+            groups.append((group, params, grads, bufs))
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None and not getattr(self, "_ranks_checked", False):
+            ranks.check_same_matrices([[tuple(p.shape) for p in g[1]] for g in groups])
+            self._ranks_checked = True
+        for group, params, grads, bufs in groups:
             if params:
                 batched_muon(
                     params, grads, bufs, lr=float(group["lr"]),
@@ -466,7 +493,7 @@ class BatchedMuon(torch.optim.Muon):
                     nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
                     ns_steps=group["ns_steps"], eps=group["eps"],
                     adjust_lr_fn=group["adjust_lr_fn"], gram=self.gram, batched=self.batched,
-                    ranks=getattr(self, "ranks", None),
+                    ranks=ranks,
                 )  # fmt: skip
         return loss
 

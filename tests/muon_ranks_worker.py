@@ -89,6 +89,21 @@ def run(setting: str, across_ranks: bool, n: int = 3) -> dict:
     }
 
 
+def mismatched(rank: int) -> str | None:
+    """A step where rank 1 holds no gradient for the last matrix: the error each rank gets
+    (None: none; a rank not splitting with rank 1 steps as usual)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = BatchedMuon(params, lr=0.02, ranks=muon.Ranks.of_this_host())
+    for p in params[:-1] if rank == 1 else params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def built_optimizers(newton_schulz: str) -> list[tuple]:
     """What ``gpu_optimizers`` makes of torch's Muon over one large and one small matrix with
     ``across_ranks``: (type, batched, gram, ranks) each."""
@@ -119,6 +134,7 @@ if __name__ == "__main__":
                             world_size=len(hosts))  # fmt: skip
     results = {s: run(s, across_ranks=True) for s in SETTINGS}
     results["built"] = {ns: built_optimizers(ns) for ns in ("gram", "standard")}
+    results["mismatched"] = mismatched(rank)
     torch.save(results, out)
     dist.barrier()  # every rank's collectives are done
     # Exit without tearing gloo down: once in a full test run (1 of 2 clean-clone runs) a

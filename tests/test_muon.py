@@ -640,6 +640,7 @@ def test_split_over_a_hosts_ranks_gives_each_the_unsplit_update(tmp_path, hosts)
     ranked = [torch.load(out) for out in outs]
     groups = muon.host_groups(host_of)
     split = {r: (g.index(r), len(g)) if len(g) > 1 else None for g in groups for r in g}
+    split_of = {r: g[0] for g in groups for r in g}  # the first rank of each one's host
     for setting in worker.SETTINGS:
         alone = worker.run(setting, across_ranks=False)
         assert alone["ranks"] is None
@@ -660,6 +661,17 @@ def test_split_over_a_hosts_ranks_gives_each_the_unsplit_update(tmp_path, hosts)
         assert results["built"]["gram"] == [("BatchedMuon", True, False, split[r]),
                                             ("BatchedMuon", False, True, split[r])]  # fmt: skip
         assert results["built"]["standard"] == [("BatchedMuon", True, False, split[r]), large]
+    # ranks about to step different matrices stop with an error instead of hanging: those
+    # sharing the work with rank 1, which holds no gradient for one matrix
+    for r, results in enumerate(ranked):
+        if split[r] and 1 in next(g for g in groups if r in g):
+            assert results["mismatched"] == (
+                f"Muon split over ranks: rank {split_of[r]} steps 9 matrices with gradients, "
+                "rank 1 8 (or of other shapes); the ranks sharing Muon's work must hold "
+                "gradients for the same parameters, as DDP gives them"
+            )
+        else:
+            assert results["mismatched"] is None, r
 
 
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
