@@ -7,12 +7,13 @@
 #                                    # tree to /tmp/repo, installs the wheels (gpu_setup.sh),
 #                                    # starts QUEUE's commands one after the other, detached
 #   bench/gpu_queue.sh wait SECONDS  # until every command ended or SECONDS passed
-#   bench/gpu_queue.sh collect       # copies each command's log, exit status and its --out's
-#                                    # bench_*.json files to $OUT/NAME/
+#   bench/gpu_queue.sh collect       # packs each command's log, exit status and its --out's
+#                                    # bench_*.json files as NAME/ into $OUT/results.tgz (a
+#                                    # call brings back at most 8 files)
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
-# does not stop the rest. collect copies the files of the folder after --out in COMMAND.
+# does not stop the rest. collect takes the bench_*.json files of the folder after --out.
 # A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
 set -euo pipefail
 Q=/tmp/gpuq
@@ -71,16 +72,20 @@ wait)
   ;;
 collect)
   [ -d "$Q" ] || exit 3
+  # one archive: a call brings back at most 8 files
+  staged=$(mktemp -d)
   while read -r name command; do
     [ -f "$Q/$name.start" ] || continue
-    mkdir -p "$OUT/$name"
-    cp "$Q/$name".* "$OUT/$name/"
+    mkdir -p "$staged/$name"
+    cp "$Q/$name".* "$staged/$name/"
     out=$(sed -n 's/.*--out[= ]\([^ ]*\).*/\1/p' <<<"$command")
-    if [ -n "$out" ]; then cp "$out"/bench_*.json "$OUT/$name/" 2>/dev/null || true; fi
+    if [ -n "$out" ]; then cp "$out"/bench_*.json "$staged/$name/" 2>/dev/null || true; fi
   done < <(entries)
+  tar -czf "$OUT/results.tgz" -C "$staged" .
+  rm -rf "$staged"
   ;;
 *)
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,17p' "$0" >&2
   exit 2
   ;;
 esac

@@ -140,11 +140,11 @@ start more slowly):
          --log-every 1 --variants ours_muon_ffd,ours_muon_ffd_standard
      (the last pair logs every step: how far the losses of the two drift apart in 50 steps)
   Plans 4 and 3 are the queue bench/queues/train-gram.txt (bench/gpu_queue.sh).
-  5. one H200, about 20 runs, perhaps 17 min: #16's one-GPU pairs again with the train job's
-     threads and passive OpenMP waits (ffd under 12 busy processes, 4 pairs; the default
-     recipe against speculators' CLI defaults, 4 pairs; AdamW against speculators at 0 and 4
-     workers, 3 pairs), then the first command of plan 4: the queue
-     bench/queues/train-threads.txt.
+  5. one H200, 28 runs and two checks, perhaps 22 min: #16's one-GPU pairs again with the
+     train job's threads and passive OpenMP waits (ffd under 12 busy processes, 4 pairs; the
+     default recipe against speculators' CLI defaults, 4 pairs; the optimiser step alone;
+     AdamW against speculators at 0, 4 and 12 workers, 3 pairs), then the first command of
+     plan 4: the queue bench/queues/train-threads.txt.
 """
 
 from __future__ import annotations
