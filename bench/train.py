@@ -63,15 +63,17 @@ speculators' trainer at its best setting of the call (highest median of speculat
 that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
 ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
 pair's ratio, the min and the median.
-It prints ``key = value`` lines: train.<gpu>.tokens_per_s (the median ours run),
-speedup_vs_speculators (min over pairs; ffd.speedup_vs_speculators for ours_ffd),
-muon.speedup_vs_speculators_cli (min; muon_ffd.speedup_vs_speculators_cli),
-contended.tokens_per_s (median ours+contend), contended.data_wait_fraction (max),
-contended.vs_quiet and contended.vs_quiet_per_pair (the worst pair), the same as
-ffd.contended.* for ours_ffd+contend, gram.speedup_vs_standard (min), under DDP
-muon_split.speedup_vs_every_rank (min), pack_fill (the
-workflow's default packing, ffd, over one epoch of the bench's samples), multipack.pack_fill (speculators' sampler; pack_fill until 2026-12-04) and
-ffd.pack_fill, ffd.tokens_per_s; --same-training N adds same_training.max_relative_difference
+It prints ``key = value`` lines. #16's keys name the workflow's default packing (ffd), each
+also under a name with the packing's (``packing_keys``); the runs with speculators' multipack
+print only the latter: train.<gpu>.tokens_per_s (the median ours_ffd run; ffd.tokens_per_s,
+and multipack.tokens_per_s for ours), speedup_vs_speculators (min over pairs; ours_ffd, and
+multipack.speedup_vs_speculators for ours), muon.speedup_vs_speculators_cli (min;
+ours_muon_ffd, and muon_multipack.* for ours_muon), contended.tokens_per_s (median
+ours_ffd+contend), contended.data_wait_fraction (max), contended.vs_quiet and
+contended.vs_quiet_per_pair (the worst pair), multipack.contended.* for ours+contend,
+gram.speedup_vs_standard (min), under DDP muon_split.speedup_vs_every_rank (min), pack_fill
+(the default packing over one epoch of the bench's samples), multipack.pack_fill and
+ffd.pack_fill; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
 SAME_TRAINING_BF16_RTOL); cuda_graphs.speedup and cpp_wrapper.speedup (min), with --log-every
@@ -174,7 +176,8 @@ sys.path.insert(0, str(ROOT))
 from eagle3lib.config import TrainConfig, process_threads  # noqa: E402
 
 # torch's intra-op threads in this process before any run changes them: what speculators'
-# trainer runs with (ours runs with what the train job sets, ``intra_op_threads``)
+# trainer runs with (ours runs with what the train job sets, ``intra_op_threads``); under
+# torchrun with several processes 1, as torchrun sets OMP_NUM_THREADS=1 where it is unset
 TORCH_THREADS = torch.get_num_threads()
 
 LLAMA_8B = dict(
@@ -901,19 +904,21 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     summary: dict = {}
     lines: list[str] = []
 
-    def comparison(key: str, a: str, b: str) -> None:
+    def comparison(key: str | list[str], a: str, b: str) -> None:
         ratios = pairs(results, a, b)
         if not ratios:
             return
-        summary[key] = {
-            "pairs": ratios,
-            "min": min(ratios),
-            "median": round(float(np.median(ratios)), 3),
-            "against": b,
-        }
-        lines.append(f"{key} per pair ({a} / {b}): " + ", ".join(f"{x:.3f}" for x in ratios))
-        lines.append(f"train.{tag}.{key} = {min(ratios):.3f}")
-        lines.append(f"train.{tag}.{key}.median = {float(np.median(ratios)):.3f}")
+        keys = [key] if isinstance(key, str) else key
+        lines.append(f"{keys[0]} per pair ({a} / {b}): " + ", ".join(f"{x:.3f}" for x in ratios))
+        for k in keys:
+            summary[k] = {
+                "pairs": ratios,
+                "min": min(ratios),
+                "median": round(float(np.median(ratios)), 3),
+                "against": b,
+            }
+            lines.append(f"train.{tag}.{k} = {min(ratios):.3f}")
+            lines.append(f"train.{tag}.{k}.median = {float(np.median(ratios)):.3f}")
 
     def same_losses(key: str, a: str, b: str) -> None:
         from eagle3lib.train import max_relative_difference
@@ -928,14 +933,16 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
             summary[key]["max_loss_relative_difference"] = max(differences)
             lines.append(f"train.{tag}.{key}.max_loss_relative_difference = {max(differences):.5f}")
 
-    ours = median_of(results, "ours")
-    if ours is not None:
-        mid = sorted((r for r in results if r["name"] == "ours"), key=lambda r: r["tokens_per_s"])[
-            (sum(r["name"] == "ours" for r in results) - 1) // 2
-        ]
-        lines.append(f"train.{tag}.tokens_per_s = {mid['tokens_per_s']}")
+    for name in ("ours", "ours_ffd"):  # AdamW with each packing: its median run
+        runs = sorted((r for r in results if r["name"] == name), key=lambda r: r["tokens_per_s"])
+        if not runs:
+            continue
+        mid = runs[(len(runs) - 1) // 2]
+        for k in packing_keys("tokens_per_s", VARIANTS[name].packing):
+            lines.append(f"train.{tag}.{k} = {mid['tokens_per_s']}")
         if mid["data_wait_fraction"] is not None:
-            lines.append(f"train.{tag}.data_wait_fraction = {mid['data_wait_fraction']:.4f}")
+            for k in packing_keys("data_wait_fraction", VARIANTS[name].packing):
+                lines.append(f"train.{tag}.{k} = {mid['data_wait_fraction']:.4f}")
     settings = {s: median_of(results, s) for s in SPECULATORS_SETTINGS}
     settings = {s: m for s, m in settings.items() if m is not None}
     if settings:
@@ -947,10 +954,11 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
             + ", ".join(f"{s} {m:,.0f}" for s, m in settings.items())
             + f" (best: {best})"
         )
-        comparison("speedup_vs_speculators", "ours", best)
-        comparison("ffd.speedup_vs_speculators", "ours_ffd", best)
-    comparison("muon.speedup_vs_speculators_cli", "ours_muon", "speculators_cli")
-    comparison("muon_ffd.speedup_vs_speculators_cli", "ours_muon_ffd", "speculators_cli")
+        for name in ("ours", "ours_ffd"):
+            comparison(packing_keys("speedup_vs_speculators", VARIANTS[name].packing), name, best)
+    for name in ("ours_muon", "ours_muon_ffd"):
+        keys = packing_keys("muon.speedup_vs_speculators_cli", VARIANTS[name].packing)
+        comparison(keys, name, "speculators_cli")
     comparison("batched_muon.speedup_vs_torch_muon", "ours_muon", "ours_muon_torch")
     comparison("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     # under DDP: Muon split over the ranks against every rank orthogonalising every matrix
@@ -959,26 +967,27 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
-    for prefix, quiet in (("", "ours"), ("ffd.", "ours_ffd")):  # busy processes beside it
+    for quiet in ("ours", "ours_ffd"):  # busy processes beside it
         contended = median_of(results, quiet + CONTEND)
         if contended is None:
             continue
         waits = [r["data_wait_fraction"] for r in results if r["name"] == quiet + CONTEND]
-        summary[f"{prefix}contended"] = {"tokens_per_s": contended, "data_wait_fractions": waits}
-        lines.append(f"train.{tag}.{prefix}contended.tokens_per_s = {contended:.0f}")
-        lines.append(f"train.{tag}.{prefix}contended.data_wait_fraction = {max(waits):.4f} (max)")
-        if median_of(results, quiet) is not None:
-            vs_quiet = contended / median_of(results, quiet)
-            lines.append(f"train.{tag}.{prefix}contended.vs_quiet = {vs_quiet:.3f}")
-            comparison(f"{prefix}contended.vs_quiet_per_pair", quiet + CONTEND, quiet)
+        prefixes = packing_keys("contended", VARIANTS[quiet].packing)
+        for prefix in prefixes:
+            summary[prefix] = {"tokens_per_s": contended, "data_wait_fractions": waits}
+            lines.append(f"train.{tag}.{prefix}.tokens_per_s = {contended:.0f}")
+            lines.append(f"train.{tag}.{prefix}.data_wait_fraction = {max(waits):.4f} (max)")
+            if median_of(results, quiet) is not None:
+                vs_quiet = contended / median_of(results, quiet)
+                lines.append(f"train.{tag}.{prefix}.vs_quiet = {vs_quiet:.3f}")
+        keys = [f"{prefix}.vs_quiet_per_pair" for prefix in prefixes]
+        comparison(keys, quiet + CONTEND, quiet)
     for name in (n for n in ("ours_1thread" + CONTEND, "ours_1thread") if median_of(results, n)):
         waits = [r["data_wait_fraction"] for r in results if r["name"] == name]
         lines.append(
             f"{name}: {median_of(results, name):,.0f} tokens/s, data wait {max(waits):.4f} (max)"
         )
-    ffd = median_of(results, "ours_ffd")
-    if ffd is not None:
-        lines.append(f"train.{tag}.ffd.tokens_per_s = {ffd:.0f}")
+    if median_of(results, "ours_ffd") is not None:
         fill = median_of(results, "ours_ffd", "window_fill")
         lines.append(f"ours_ffd window fill {fill:.3f}")
         comparison("ffd.speedup_vs_ours", "ours_ffd", "ours")
@@ -993,6 +1002,16 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     if skips:
         lines.append(f"ours_muon_ffd_cg: compiled regions without CUDA graphs per run: {skips}")
     return summary, lines
+
+
+def packing_keys(key: str, packing: str) -> list[str]:
+    """The keys of a figure measured with ``packing``: #16's own name (``key``) and one naming
+    the packing where it is the workflow's default (train.packing), else only the latter. The
+    packing joins the key's first part where that is "muon" (muon.x: muon_ffd.x), else goes
+    before it (x: ffd.x)."""
+    head, _, rest = key.partition(".")
+    named = f"muon_{packing}.{rest}" if head == "muon" and rest else f"{packing}.{key}"
+    return [key, named] if packing == TrainConfig.packing else [named]
 
 
 def pack_fill_lines(fills: dict[str, float], tag: str, total_seq_len: int) -> list[str]:

@@ -344,11 +344,13 @@ class Ranks:
 def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float, weight_decay: float,
            adjust_lr_fn, batched: bool) -> None:  # fmt: skip
     """torch's weight decay and update from a unit's ``_unit_result`` (its lr scale depends on
-    the matrix's orientation, which a unit's matrices need not share). A "gram" result is
-    added to fp32 or fp64 parameters in fp16 with GRAM_SCALE folded into the step size: the
-    same bits as adding its ``_unpacked`` updates (the scale is a power of two, and the fp16
-    values convert exactly), without writing and reading them."""
-    if kind == "gram" and params[0].dtype in (torch.float32, torch.float64):
+    the matrix's orientation, which a unit's matrices need not share). A "gram" result taken
+    one matrix at a time (as ``gpu_optimizers`` takes them) is added to fp32 or fp64
+    parameters in fp16 with GRAM_SCALE folded into the step size: the same bits as adding its
+    ``_unpacked`` updates by the same kernel (the scale is a power of two, and the fp16 values
+    convert exactly), without writing and reading them. Batched, the foreach kernels take
+    lists of one dtype only, so stacks are unpacked."""
+    if kind == "gram" and not batched and params[0].dtype in (torch.float32, torch.float64):
         ortho, scale = _oriented_as(result, params), 1 / GRAM_SCALE
     else:
         ortho, scale = _unpacked(result, kind, params), 1.0
@@ -484,7 +486,8 @@ class BatchedMuon(torch.optim.Muon):
         ranks = getattr(self, "ranks", None)
         if ranks is not None and not getattr(self, "_ranks_checked", False):
             ranks.check_same_matrices([[tuple(p.shape) for p in g[1]] for g in groups])
-            self._ranks_checked = True
+            # once some matrix had a gradient (the ranks agree on that, having gathered)
+            self._ranks_checked = any(g[1] for g in groups)
         for group, params, grads, bufs in groups:
             if params:
                 batched_muon(

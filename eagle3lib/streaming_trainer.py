@@ -19,12 +19,12 @@ from eagle3lib.speculators_compat import speculators_patches
 def thread_schedstat() -> tuple[int, int] | None:
     """The calling thread's nanoseconds so far on a core and runnable but waiting for one (in
     the kernel's run queue), from Linux's /proc/thread-self/schedstat; None where the kernel
-    does not report them."""
+    does not report them (no file, or zeros: a thread reading it has run)."""
     try:
         run, wait, _ = open("/proc/thread-self/schedstat").read().split()  # noqa: PTH123, SIM115
     except (OSError, ValueError):
         return None
-    return int(run), int(wait)
+    return (int(run), int(wait)) if int(run) else None
 
 
 def thread_shares(before, after, seconds: float) -> dict[str, float] | None:

@@ -91,7 +91,7 @@ def test_train_smoke(tmp_path):
             assert 0.05 < thread["cpu_fraction"] <= 1.01, thread
             assert 0 <= thread["runqueue_wait_fraction"] <= 1.01 - thread["cpu_fraction"], thread
     assert " rq wait " in out
-    assert "train.cpu.tokens_per_s = " in out
+    assert "train.cpu.multipack.tokens_per_s = " in out
     # the train job's Muon against torch's on the two-layer draft's Muon matrices: all small,
     # so all batched by torch's iteration (none large enough for Gram Newton-Schulz)
     check = summary["muon_check"]

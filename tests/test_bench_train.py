@@ -37,16 +37,20 @@ def test_summary_pairs_ours_with_speculators_best_setting_and_reports_the_min(be
         ]
     summary, lines = bench.summarize(results, "h200")
     assert summary["speculators_best"] == "speculators_w4"
-    best = summary["speedup_vs_speculators"]
+    # ours and ours_muon pack as speculators does (multipack): their keys name it, and #16's
+    # own keys, the workflow's default packing's (ffd), are not printed from them
+    best = summary["multipack.speedup_vs_speculators"]
     assert best["pairs"] == [round(46000 / 26000, 3), 1.6, round(45000 / 27000, 3)]
     assert best["min"] == 1.6 and best["median"] == round(45000 / 27000, 3)
-    assert "train.h200.speedup_vs_speculators = 1.600" in lines
-    assert "train.h200.muon.speedup_vs_speculators_cli = 1.871" in lines  # 29000 / 15500
-    assert "train.h200.tokens_per_s = 45000" in lines  # the median ours run
-    assert "train.h200.contended.tokens_per_s = 44000" in lines
-    assert "train.h200.contended.data_wait_fraction = 0.0150 (max)" in lines
-    assert "train.h200.contended.vs_quiet = 0.978" in lines
-    assert "train.h200.contended.vs_quiet_per_pair = 0.957" in lines  # 44000 / 46000
+    assert "train.h200.multipack.speedup_vs_speculators = 1.600" in lines
+    assert "train.h200.muon_multipack.speedup_vs_speculators_cli = 1.871" in lines  # 29000/15500
+    assert "train.h200.multipack.tokens_per_s = 45000" in lines  # the median ours run
+    assert "train.h200.multipack.contended.tokens_per_s = 44000" in lines
+    assert "train.h200.multipack.contended.data_wait_fraction = 0.0150 (max)" in lines
+    assert "train.h200.multipack.contended.vs_quiet = 0.978" in lines
+    assert "train.h200.multipack.contended.vs_quiet_per_pair = 0.957" in lines  # 44000 / 46000
+    assert not [line for line in lines if line.startswith(("train.h200.speedup_vs",
+                "train.h200.muon.speedup", "train.h200.tokens_per_s", "train.h200.contended"))]  # fmt: skip
     batched = summary["batched_muon.speedup_vs_torch_muon"]
     assert batched["pairs"] == [1.2, 1.0, 1.45] and batched["against"] == "ours_muon_torch"
     assert "train.h200.batched_muon.speedup_vs_torch_muon = 1.000" in lines
@@ -71,9 +75,13 @@ def test_summary_pairs_the_default_packing_with_speculators_best_and_its_cli(ben
     assert "train.h200.ffd.speedup_vs_speculators = 1.664" in lines
     assert "train.h200.muon_ffd.speedup_vs_speculators_cli = 1.900" in lines  # 29450 / 15500
     assert "train.h200.muon_ffd.speedup_vs_speculators_cli.median = 2.000" in lines
-    assert "speedup_vs_speculators" not in summary  # no plain ours run in this call
-    assert bench.VARIANTS["ours_muon_ffd"].packing == "ffd" == bench.TrainConfig.packing
-    assert bench.VARIANTS["ours_muon"].packing == bench.VARIANTS["ours"].packing == "multipack"
+    # #16's own keys are the default packing's: the same figures
+    assert summary["speedup_vs_speculators"] == ffd
+    assert "train.h200.speedup_vs_speculators = 1.664" in lines
+    assert "train.h200.muon.speedup_vs_speculators_cli = 1.900" in lines
+    assert "train.h200.tokens_per_s = 52000" in lines  # the median ours_ffd run
+    assert "train.h200.ffd.tokens_per_s = 52000" in lines
+    assert "multipack.speedup_vs_speculators" not in summary  # no plain ours run in this call
 
 
 def test_pack_fill_is_the_default_packings_and_each_packing_has_its_own_key(bench):
@@ -265,7 +273,7 @@ def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench
 def test_summary_reports_the_default_packing_under_contention(bench):
     """ours_ffd+contend (the default packing with busy processes beside it) against quiet
     ours_ffd, as ours+contend against ours: tokens/s, the worst data wait, the ratio of the
-    medians and the worst pair."""
+    medians and the worst pair, under #16's own keys and under those naming ffd."""
     results = []
     for k in range(3):
         results += [
@@ -273,12 +281,16 @@ def test_summary_reports_the_default_packing_under_contention(bench):
             run("ours_ffd+contend", [51000, 57000, 55000][k], [0.02, 0.003, 0.001][k]),
         ]
     summary, lines = bench.summarize(results, "h200")
-    assert "train.h200.ffd.contended.tokens_per_s = 55000" in lines
-    assert "train.h200.ffd.contended.data_wait_fraction = 0.0200 (max)" in lines
-    assert "train.h200.ffd.contended.vs_quiet = 0.965" in lines  # 55000 / 57000
-    assert summary["ffd.contended.vs_quiet_per_pair"]["pairs"] == [0.895, 0.983, 0.982]
-    assert "train.h200.ffd.contended.vs_quiet_per_pair = 0.895" in lines
-    assert "contended" not in summary  # no ours+contend runs
+    for prefix in ("contended", "ffd.contended"):
+        assert f"train.h200.{prefix}.tokens_per_s = 55000" in lines
+        assert f"train.h200.{prefix}.data_wait_fraction = 0.0200 (max)" in lines
+        assert f"train.h200.{prefix}.vs_quiet = 0.965" in lines  # 55000 / 57000
+        assert summary[f"{prefix}.vs_quiet_per_pair"]["pairs"] == [0.895, 0.983, 0.982]
+        assert f"train.h200.{prefix}.vs_quiet_per_pair = 0.895" in lines
+    assert "multipack.contended" not in summary  # no ours+contend runs
+    assert bench.packing_keys("muon.speedup_vs_speculators_cli", "multipack") == [
+        "muon_multipack.speedup_vs_speculators_cli"
+    ]
 
 
 def test_every_queued_train_command_parses_and_names_known_variants(bench, capsys):
