@@ -126,15 +126,23 @@ def srun_argv(
 
 
 def torchrun_argv(
-    nodes: int, processes_per_node: int, endpoint: str, rdzv_id: str, script: Sequence[str]
+    nodes: int,
+    processes_per_node: int,
+    endpoint: str,
+    rdzv_id: str,
+    script: Sequence[str],
+    node: int,
 ) -> list[str]:
-    """torchrun for one node of ``nodes``: c10d rendezvous at ``endpoint`` (host:port); node
+    """torchrun for node ``node`` of ``nodes``: c10d rendezvous at ``endpoint`` (host:port, on
+    node 0), whose store node 0's torchrun hosts (``is_host``: not left to matching host
+    names, which every node matches where several share a machine, and then whichever started
+    first hosts it and may end first, leaving the others' torchruns without their store); node
     ranks are given by the rendezvous (c10d ignores --node-rank)."""
     return [
         *TORCHRUN,
         f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}",
-        "--max-restarts=0", *script,
+        f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=0", *script,
     ]  # fmt: skip
 
 
@@ -171,7 +179,7 @@ def relaunch(
         return False, None
     if nodes > 1:
         endpoint, rdzv_id, node = node_launch(env)
-        return node == 0, torchrun_argv(nodes, max(processes, 1), endpoint, rdzv_id, script)
+        return node == 0, torchrun_argv(nodes, max(processes, 1), endpoint, rdzv_id, script, node)
     if processes > 1:
         return True, [*TORCHRUN, "--standalone", f"--nproc-per-node={processes}", *script]
     return True, None
@@ -213,9 +221,19 @@ def run_torchrun(argv: Sequence[str]) -> int:
     failure: 143 for a worker stopped by SIGTERM, as the job's status."""
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     try:
         run.main(list(argv))
+    except RendezvousConnectionError as exc:  # node 0's torchrun, holding the store, ended
+        cause = exc.__cause__ or exc
+        print(
+            "torchrun: lost the rendezvous store on node 0 (its torchrun ended, or cannot be "
+            f"reached), so this node's workers were stopped: {cause}".splitlines()[0],
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except ChildFailedError as exc:
         first, _ = exc.get_first_failure()
         for rank, failure in sorted(exc.failures.items()):

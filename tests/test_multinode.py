@@ -104,11 +104,13 @@ def test_srun_and_torchrun_command_lines():
         False,  # node 1 leaves the artifact locks to node 0
         [
             *TORCHRUN, "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=gpu03:41000", "--rdzv-id=7-41000", "--max-restarts=0", *script,
+            "--rdzv-endpoint=gpu03:41000", "--rdzv-id=7-41000", "--rdzv-conf=is_host=0",
+            "--max-restarts=0", *script,
         ],
     )  # fmt: skip
     lock, argv = multinode.relaunch(2, 0, script, {**env, "SLURM_NODEID": "0"})
     assert lock is True and "--nproc-per-node=1" in argv  # a CPU node: one process
+    assert "--rdzv-conf=is_host=1" in argv  # node 0's torchrun holds the rendezvous store
     # one node: torchrun --standalone for several processes, else the script trains itself
     assert multinode.relaunch(1, 2, script, {}) == (
         True,
@@ -118,6 +120,27 @@ def test_srun_and_torchrun_command_lines():
     assert multinode.relaunch(2, 8, script, {**env, "LOCAL_RANK": "0"}) == (False, None)
     with pytest.raises(UserError, match="not started by the GPU wrapper's srun step"):
         multinode.relaunch(2, 8, script, {"SLURM_NODEID": "0"})
+
+
+def test_a_lost_rendezvous_store_ends_torchrun_with_one_line(monkeypatch, capsys):
+    """A node's torchrun whose rendezvous store went away (node 0's torchrun ended first)
+    prints one line naming the cause, not torch's traceback, and fails."""
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def lost(_argv):
+        try:
+            raise RuntimeError("Failed to recv, got 0 bytes.\nConnection was likely closed.")
+        except RuntimeError as exc:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.") from exc
+
+    monkeypatch.setattr(run, "main", lost)
+    assert multinode.run_torchrun(["train.py"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "torchrun: lost the rendezvous store on node 0 (its torchrun ended, or cannot be "
+        "reached), so this node's workers were stopped: Failed to recv, got 0 bytes.\n"
+    )
 
 
 def test_several_nodes_without_slurm_stop_the_run_while_it_plans(verifier_dir, tmp_path):
