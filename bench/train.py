@@ -1146,12 +1146,14 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
 
 # variants that differ from another only under DDP: on one GPU they are that one
 ONE_GPU_TWIN = {"ours_nobcast": "ours", "ours_muon_ffd_every_rank": "ours_muon_ffd"}
+DEFAULT_RECIPE = "ours_muon_ffd"  # the train rule's defaults: Muon, log every 10, ffd
 
 
 def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: str) -> list[str]:
     """Each variant's median tokens/s under DDP against ``processes`` times its median in the
     one-GPU run ``single`` (bench_train.json's results), or its ``ONE_GPU_TWIN``'s there
-    where the one-GPU run lacks it."""
+    where the one-GPU run lacks it. Keys name the variant (``ours``, AdamW with speculators'
+    multipack: multipack); #16's unprefixed scaling_efficiency is DEFAULT_RECIPE's."""
     one_gpu = {r.get("name", r.get("variant")) for r in single}
     lines = []
     for name in dict.fromkeys(r["name"] for r in results):
@@ -1162,10 +1164,13 @@ def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: 
         one = float(np.median([r["tokens_per_s"] for r in single
                                if r.get("name", r.get("variant")) == base]))  # fmt: skip
         mine = median_of(results, name)
-        key = "" if name == "ours" else f".{name.removeprefix('ours_')}"
-        if key:  # ours' tokens/s is printed with the other keys
+        efficiency = f"{mine / (processes * one):.3f}"
+        key = ".multipack" if name == "ours" else f".{name.removeprefix('ours_')}"
+        if name not in ("ours", "ours_ffd"):  # those runs' tokens/s: ``summarize``'s keys
             lines.append(f"train.{tag}{key}.tokens_per_s = {mine:.0f}")
-        lines.append(f"train.{tag}{key}.scaling_efficiency = {mine / (processes * one):.3f}")
+        lines.append(f"train.{tag}{key}.scaling_efficiency = {efficiency}")
+        if name == DEFAULT_RECIPE:  # #16's key: the train rule's own recipe
+            lines.append(f"train.{tag}.scaling_efficiency = {efficiency}")
     return lines
 
 

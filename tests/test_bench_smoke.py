@@ -121,6 +121,9 @@ def test_train_ddp_smoke_checks_its_ranks_and_scaling(tmp_path):
         ("ours_muon_ffd_ddp2", True), ("ours_muon_ffd_every_rank_ddp2", True),
     ]  # fmt: skip
     assert "train.2xcpu.muon_ffd.scaling_efficiency = " in done.stdout
+    # #16's key is the train rule's recipe's (the default: Muon, ffd), the same figure
+    (named,) = [x for x in done.stdout.splitlines() if x.startswith("train.2xcpu.muon_ffd.scal")]
+    assert f"train.2xcpu.scaling_efficiency = {named.split(' = ')[1]}" in done.stdout
     assert "train.2xcpu.muon_ffd_every_rank.scaling_efficiency = " in done.stdout
     assert "ranks disagree" not in done.stdout
 

@@ -252,17 +252,19 @@ def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
 def test_scaling_efficiency_compares_each_variant_with_its_own_one_gpu_run(bench):
     """Under DDP each variant is set against its own one-GPU median (the default recipe
     against the default recipe), ours_nobcast and ours_muon_ffd_every_rank, which differ only
-    under DDP, against ours and ours_muon_ffd."""
+    under DDP, against ours and ours_muon_ffd; #16's own key is the default recipe's (the
+    train rule's), ours (AdamW, multipack) takes multipack's name."""
     single = [run("ours", 50000), run("ours", 52000), run("ours_muon_ffd", 24000)]
     ddp = [run("ours", 90000), run("ours_nobcast", 96000), run("ours_muon_ffd", 45600),
            run("ours_muon_ffd_every_rank", 40800)]  # fmt: skip
     lines = bench.scaling_lines(ddp, single, 2, "2xh200")
     assert lines == [
-        "train.2xh200.scaling_efficiency = 0.882",  # 90000 / (2 * 51000)
+        "train.2xh200.multipack.scaling_efficiency = 0.882",  # 90000 / (2 * 51000)
         "train.2xh200.nobcast.tokens_per_s = 96000",
         "train.2xh200.nobcast.scaling_efficiency = 0.941",
         "train.2xh200.muon_ffd.tokens_per_s = 45600",
         "train.2xh200.muon_ffd.scaling_efficiency = 0.950",  # 45600 / (2 * 24000)
+        "train.2xh200.scaling_efficiency = 0.950",
         "train.2xh200.muon_ffd_every_rank.tokens_per_s = 40800",
         "train.2xh200.muon_ffd_every_rank.scaling_efficiency = 0.850",
     ]
