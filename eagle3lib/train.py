@@ -396,7 +396,9 @@ def train(
         )
     seconds = time.perf_counter() - t0
     thread = thread_shares(sched0, thread_schedstat(), seconds)
-    if (line := starved_line(thread, rank)) is not None:
+    # on a GPU the thread launches the work and the process's other threads are few; on a CPU
+    # its own compute threads share the cores with it, so a wait there proves nothing
+    if torch.cuda.is_available() and (line := starved_line(thread, rank)) is not None:
         print(line, file=sys.stderr, flush=True)
     for where in uncompiled:
         print(
