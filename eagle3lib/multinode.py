@@ -226,10 +226,10 @@ def run_torchrun(argv: Sequence[str]) -> int:
     try:
         run.main(list(argv))
     except RendezvousConnectionError as exc:  # node 0's torchrun, holding the store, ended
-        cause = exc.__cause__ or exc
+        cause = str(exc.__cause__ or exc).splitlines()[0]
         print(
-            "torchrun: lost the rendezvous store on node 0 (its torchrun ended, or cannot be "
-            f"reached), so this node's workers were stopped: {cause}".splitlines()[0],
+            "torchrun: no connection to the rendezvous store on node 0 (its torchrun ended, or "
+            f"cannot be reached); this node's workers, if started, were stopped: {cause}",
             file=sys.stderr,
             flush=True,
         )

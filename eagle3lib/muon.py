@@ -313,9 +313,9 @@ class Ranks:
 
     def check_same_matrices(self, shapes: list[list[tuple[int, ...]]]) -> None:
         """Raise where the host's ranks are about to step different matrices (``shapes``: this
-        rank's with gradients, by parameter group): their broadcasts would not match and the step would hang. DDP
-        gives every rank gradients for the same parameters; this catches any other caller, once
-        (one gather of the shapes over the host's ranks)."""
+        rank's with gradients, by parameter group): their broadcasts would not match and the
+        step would hang. DDP gives every rank gradients for the same parameters; this catches
+        any other caller, once (one gather of the shapes over the host's ranks)."""
         import torch.distributed as dist
 
         gathered: list = [None] * self.world

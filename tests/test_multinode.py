@@ -138,8 +138,9 @@ def test_a_lost_rendezvous_store_ends_torchrun_with_one_line(monkeypatch, capsys
     assert multinode.run_torchrun(["train.py"]) == 1
     err = capsys.readouterr().err
     assert err == (
-        "torchrun: lost the rendezvous store on node 0 (its torchrun ended, or cannot be "
-        "reached), so this node's workers were stopped: Failed to recv, got 0 bytes.\n"
+        "torchrun: no connection to the rendezvous store on node 0 (its torchrun ended, or "
+        "cannot be reached); this node's workers, if started, were stopped: Failed to recv, "
+        "got 0 bytes.\n"
     )
 
 
