@@ -226,7 +226,7 @@ def run_torchrun(argv: Sequence[str]) -> int:
     try:
         run.main(list(argv))
     except RendezvousConnectionError as exc:  # node 0's torchrun, holding the store, ended
-        cause = str(exc.__cause__ or exc).splitlines()[0]
+        cause = str(exc.__cause__ or exc).partition("\n")[0]
         print(
             "torchrun: no connection to the rendezvous store on node 0 (its torchrun ended, or "
             f"cannot be reached); this node's workers, if started, were stopped: {cause}",
