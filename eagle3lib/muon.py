@@ -220,12 +220,11 @@ def _unit_result(updates: list[Tensor], kind: str, coefficients, steps: int, eps
     the updates of it): bf16, or for "gram" fp16 times GRAM_SCALE. Contiguous."""
     if kind == "torch":  # its result is in the input's orientation (a tall one transposed back)
         return _oriented(_zeropower_via_newtonschulz(updates[0], coefficients, steps, eps))[None]
+    oriented = [_oriented(u) for u in updates]
     if kind == "gram":  # one matrix as a view: the iteration's first step copies it
-        one = len(updates) == 1
-        stacked = _oriented(updates[0])[None] if one else torch.stack(list(map(_oriented, updates)))
+        stacked = oriented[0][None] if len(oriented) == 1 else torch.stack(oriented)
         return _gram_newton_schulz(stacked, coefficients, steps, eps)
-    return _newton_schulz(torch.stack([_oriented(u) for u in updates]).bfloat16(), coefficients,
-                          steps, eps)  # fmt: skip
+    return _newton_schulz(torch.stack(oriented).bfloat16(), coefficients, steps, eps)
 
 
 def _empty_result(like: list[Tensor], kind: str) -> Tensor:

@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from speculators.train.trainer import Trainer
@@ -21,7 +22,7 @@ def thread_schedstat() -> tuple[int, int] | None:
     the kernel's run queue), from Linux's /proc/thread-self/schedstat; None where the kernel
     does not report them (no file, or zeros: a thread reading it has run)."""
     try:
-        run, wait, _ = open("/proc/thread-self/schedstat").read().split()  # noqa: PTH123, SIM115
+        run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
     except (OSError, ValueError):
         return None
     return (int(run), int(wait)) if int(run) else None
