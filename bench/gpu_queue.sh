@@ -8,8 +8,8 @@
 #                                    # starts QUEUE's commands one after the other, detached
 #   bench/gpu_queue.sh wait SECONDS  # until every command ended or SECONDS passed
 #   bench/gpu_queue.sh collect       # packs each command's log, exit status and its --out's
-#                                    # bench_*.json files as NAME/ into $OUT/results.tgz (a
-#                                    # call brings back at most 8 files)
+#                                    # bench_*.json files as NAME/ into $OUT/results.tgz, with
+#                                    # the host's lscpu.txt (a call brings back at most 8 files)
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
@@ -38,6 +38,8 @@ start)
   export PYTHONPATH PATH
   echo "installed in $(($(date +%s) - start)) s"
   nvidia-smi -L
+  lscpu >"$Q/lscpu.txt" # the host's CPU: cores, threads a core, model (beside every timing)
+  grep -E '^(Model name|Thread|Core|Socket|CPU\(s\))' "$Q/lscpu.txt"
   # its own session, so that nothing of this call's ending reaches it
   setsid nohup "$REPO/bench/gpu_queue.sh" run </dev/null >/dev/null 2>&1 &
   ;;
@@ -81,6 +83,7 @@ collect)
     out=$(sed -n 's/.*--out[= ]\([^ ]*\).*/\1/p' <<<"$command")
     if [ -n "$out" ]; then cp "$out"/bench_*.json "$staged/$name/" 2>/dev/null || true; fi
   done < <(entries)
+  cp "$Q/lscpu.txt" "$staged/" 2>/dev/null || true
   tar -czf "$OUT/results.tgz" -C "$staged" .
   rm -rf "$staged"
   ;;

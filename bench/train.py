@@ -58,7 +58,9 @@ Real (non-padding) tokens per second are timed between steps --warmup and --step
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
 window (ours only); "rq wait" (``training_thread`` in the JSON) the share of the window the
 training thread spent runnable but waiting for a core (Linux's schedstat: starved by other
-processes), beside the share it ran. The summary pairs the i-th runs of: ours and
+processes), beside the share it ran; "lead ms" (``host_lead_ms``) the median over the timed
+steps of the GPU work still queued when the host ended a step, and after "/" the steps where
+that was under 1 ms (the GPU had run dry: the host launching kernels set the pace). The summary pairs the i-th runs of: ours and
 speculators' trainer at its best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
 that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
 ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
@@ -459,6 +461,23 @@ class Busy:
         self.procs = []
 
 
+def host_lead(host_ms: list[float], gpu_ms: list[float], starved_ms: float = 1.0) -> dict:
+    """How far ahead of the GPU the training thread ran, from each timed step's end: when the
+    host had launched the step's last kernel (``host_ms``) and when the GPU finished it
+    (``gpu_ms``, a CUDA event's time), both from the window's synchronised start. The lead is
+    the GPU work still queued as the host moved on; near zero (under ``starved_ms``) the GPU
+    ran out of work and waited for the host, so the host set the step's pace."""
+    leads = sorted(g - h for h, g in zip(host_ms, gpu_ms, strict=True))
+    if not leads:
+        return {"steps": 0}
+    return {
+        "steps": len(leads),
+        "min": round(leads[0], 2),
+        "median": round(leads[len(leads) // 2], 2),
+        "starved_steps": sum(lead < starved_ms for lead in leads),
+    }
+
+
 class StepClock:
     """Synchronised timestamps at two steps: the timed window excludes warm-up/compilation.
 
@@ -482,6 +501,10 @@ class StepClock:
         self.trainer = None
         self.waits: list[float] = []
         self.sched: list[tuple[int, int] | None] = []  # the training thread's, at both ends
+        # each timed step's end: host clock (s) and a CUDA event recorded there (host_lead)
+        self.step_ends: list[tuple[float, object]] = []
+        self.event0 = None
+        self.host_lead_ms: dict | None = None
 
     def training_thread(self) -> dict | None:
         """How the training thread (the one launching the step's kernels) spent the window:
@@ -506,8 +529,12 @@ class StepClock:
                 torch.cuda.synchronize()
             if self.step == self.start:
                 self.t0 = time.perf_counter()
+                if torch.cuda.is_available():
+                    self.event0 = torch.cuda.Event(enable_timing=True)
+                    self.event0.record()
             else:
                 self.t1 = time.perf_counter()
+                self._host_lead()
             from eagle3lib.streaming_trainer import thread_schedstat
 
             self.sched.append(thread_schedstat())
@@ -515,6 +542,10 @@ class StepClock:
                 self.busy.stop()
             if hasattr(self.trainer, "data_wait_seconds"):
                 self.waits.append(self.trainer.data_wait_seconds)
+        elif self.event0 is not None and self.t1 is None:  # a timed step: no sync here
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.step_ends.append((time.perf_counter(), event))
         # after the timed window: first the sync-debug steps, then the profiled ones
         if self.sync_sites is not None:
             self.sync_sites.at_step(self.step - self.stop)
@@ -523,6 +554,15 @@ class StepClock:
             self._profile_start()
         elif self.prof is not None and self.step == after + self.profile_steps:
             self._profile_stop()
+
+    def _host_lead(self):
+        """After the window's closing synchronisation: how far the GPU was behind the host at
+        the end of each timed step (``host_lead``)."""
+        if self.event0 is None:
+            return
+        host = [1000 * (t - self.t0) for t, _ in self.step_ends]
+        gpu = [self.event0.elapsed_time(event) for _, event in self.step_ends]
+        self.host_lead_ms = host_lead(host, gpu)
 
     def _profile_start(self):
         try:
@@ -761,6 +801,9 @@ def run_variant(
         "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
         # the training thread in the window: on a core, and runnable but waiting for one
         "training_thread": clock.training_thread(),
+        # the GPU work queued as the host ended each timed step (ms): near zero, the host
+        # launching kernels set the pace (under 1 ms: "starved_steps")
+        "host_lead_ms": clock.host_lead_ms,
         "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
@@ -1372,16 +1415,18 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     print(
         f"{'variant':26s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s} {'fill':>6s}"
-        f" {'data wait':>9s} {'rq wait':>8s} {'wall s':>7s}"
+        f" {'data wait':>9s} {'rq wait':>8s} {'lead ms':>8s} {'wall s':>7s}"
     )
     for r in results:
         wait = "-" if r["data_wait_fraction"] is None else f"{r['data_wait_fraction']:.4f}"
         thread = r.get("training_thread")  # absent from runs of earlier code (--baseline)
         queued = "-" if not thread else f"{thread['runqueue_wait_fraction']:.4f}"
+        lead = r.get("host_lead_ms") or {}
+        lead = f"{lead['median']:.1f}/{lead['starved_steps']}" if lead.get("steps") else "-"
         print(
             f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {queued:>8s}"
-            f" {r['wall_s']:7.1f}"
+            f" {lead:>8s} {r['wall_s']:7.1f}"
         )
     print("\n".join(lines))
     print(f"bench wall time: {wall} s")
