@@ -58,9 +58,9 @@ Real (non-padding) tokens per second are timed between steps --warmup and --step
 GPU synchronised at both ends; data wait is the training loop's wait for batches in that
 window (ours only); "rq wait" (``training_thread`` in the JSON) the share of the window the
 training thread spent runnable but waiting for a core (Linux's schedstat: starved by other
-processes), beside the share it ran; "lead ms" (``host_lead_ms``) the median over the timed
-steps of the GPU work still queued when the host ended a step, and after "/" the steps where
-that was under 1 ms (the GPU had run dry: the host launching kernels set the pace). The summary pairs the i-th runs of: ours and
+processes), beside the share it ran; "lead ms" (``host_lead_ms``, with its min) the median
+over the timed steps of the GPU work still queued when the host ended a step: about a step's
+time or more where the GPU set the pace, a few ms where the host launching kernels did. The summary pairs the i-th runs of: ours and
 speculators' trainer at its best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
 that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
 ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
@@ -461,12 +461,13 @@ class Busy:
         self.procs = []
 
 
-def host_lead(host_ms: list[float], gpu_ms: list[float], starved_ms: float = 1.0) -> dict:
+def host_lead(host_ms: list[float], gpu_ms: list[float]) -> dict:
     """How far ahead of the GPU the training thread ran, from each timed step's end: when the
     host had launched the step's last kernel (``host_ms``) and when the GPU finished it
     (``gpu_ms``, a CUDA event's time), both from the window's synchronised start. The lead is
-    the GPU work still queued as the host moved on; near zero (under ``starved_ms``) the GPU
-    ran out of work and waited for the host, so the host set the step's pace."""
+    the GPU work still queued as the host moved on. About a step's time or more: the GPU set
+    the pace; only the step's last kernels' time (a few ms): the host launching them did. A
+    step that synchronises (a logging step) ends with a lead of about 0."""
     leads = sorted(g - h for h, g in zip(host_ms, gpu_ms, strict=True))
     if not leads:
         return {"steps": 0}
@@ -474,7 +475,6 @@ def host_lead(host_ms: list[float], gpu_ms: list[float], starved_ms: float = 1.0
         "steps": len(leads),
         "min": round(leads[0], 2),
         "median": round(leads[len(leads) // 2], 2),
-        "starved_steps": sum(lead < starved_ms for lead in leads),
     }
 
 
@@ -801,8 +801,8 @@ def run_variant(
         "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
         # the training thread in the window: on a core, and runnable but waiting for one
         "training_thread": clock.training_thread(),
-        # the GPU work queued as the host ended each timed step (ms): near zero, the host
-        # launching kernels set the pace (under 1 ms: "starved_steps")
+        # the GPU work queued as the host ended each timed step (ms): about a step or more,
+        # the GPU set the pace; a few ms, the host launching the kernels did
         "host_lead_ms": clock.host_lead_ms,
         "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
@@ -1422,7 +1422,7 @@ def main() -> None:
         thread = r.get("training_thread")  # absent from runs of earlier code (--baseline)
         queued = "-" if not thread else f"{thread['runqueue_wait_fraction']:.4f}"
         lead = r.get("host_lead_ms") or {}
-        lead = f"{lead['median']:.1f}/{lead['starved_steps']}" if lead.get("steps") else "-"
+        lead = f"{lead['median']:.1f}" if lead.get("steps") else "-"
         print(
             f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {queued:>8s}"
