@@ -37,6 +37,9 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon_ffd_cg      an experiment: ours_muon_ffd with inductor's CUDA graph trees (the
                           compiled regions of the draft's forward and backward replayed as CUDA
                           graphs; a new iteration marked after every step)
+    ours_ffd_graph        an experiment: ours_ffd with the whole step (forward, backward,
+                          clipping, AdamW) captured into one CUDA graph after 3 eager steps
+                          and replayed (eagle3lib.graphed_step; not yet a train option)
     ours_muon_ffd_cppwrap an experiment: ours_muon_ffd with inductor's C++ wrapper launching
                           the compiled kernels (less Python a kernel)
                           (a run of these two that fails is printed and listed under
@@ -237,11 +240,12 @@ class Variant:
     # experiments, not train options: how torch.compile's code launches its kernels on a GPU
     cuda_graphs: bool = False  # inductor's CUDA graph trees (mode "reduce-overhead")
     cpp_wrapper: bool = False  # inductor's C++ wrapper in place of its Python one
+    graph_step: bool = False  # the whole step captured into one CUDA graph (graphed_step)
 
     @property
     def experiment(self) -> bool:
         """A setting that may not work on every GPU: its failure is noted, the call goes on."""
-        return self.cuda_graphs or self.cpp_wrapper
+        return self.cuda_graphs or self.cpp_wrapper or self.graph_step
 
 
 # ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
@@ -299,6 +303,9 @@ VARIANTS = {
         cpp_wrapper=True,
     ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
+    # an experiment for a host that slows the step's launches: ours_ffd's step captured into
+    # one CUDA graph after 3 eager steps and replayed (AdamW only: its rate can be a tensor)
+    "ours_ffd_graph": Variant(packing="ffd", graph_step=True),
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
     "ours_1thread": Variant(loader_threads=0),  # one thread running speculators' collate
@@ -723,6 +730,7 @@ def run_variant(
                 "ddp_broadcast_buffers": v.broadcast_buffers,
                 "batched_muon": v.batched_muon,
                 "muon_across_ranks": v.muon_across_ranks,
+                "graph_step": v.graph_step,
             },
         )
     else:
@@ -1010,12 +1018,19 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
-    for quiet in ("ours", "ours_ffd"):  # busy processes beside it
+    comparison("graph_step.speedup", "ours_ffd_graph", "ours_ffd")
+    if "graph_step.speedup" in summary:  # with --log-every: the same training?
+        same_losses("graph_step.speedup", "ours_ffd_graph", "ours_ffd")
+    for quiet in ("ours", "ours_ffd", "ours_ffd_graph"):  # busy processes beside it
         contended = median_of(results, quiet + CONTEND)
         if contended is None:
             continue
         waits = [r["data_wait_fraction"] for r in results if r["name"] == quiet + CONTEND]
-        prefixes = packing_keys("contended", VARIANTS[quiet].packing)
+        prefixes = (  # the experiment's own keys: #16's name the train job's step
+            ["graph_step.contended"]
+            if VARIANTS[quiet].graph_step
+            else packing_keys("contended", VARIANTS[quiet].packing)
+        )
         for prefix in prefixes:
             summary[prefix] = {"tokens_per_s": contended, "data_wait_fractions": waits}
             lines.append(f"train.{tag}.{prefix}.tokens_per_s = {contended:.0f}")

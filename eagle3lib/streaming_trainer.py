@@ -241,6 +241,10 @@ class StreamingTrainer(Trainer):
     # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
     # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
     ddp_broadcast_buffers = True
+    # an experiment (bench/train.py's *_graph variants): the step captured into a CUDA graph
+    # once and replayed (graphed_step.GraphedStep); AdamW, one GPU, batches of one shape
+    graph_step = False
+    _graphed = None
 
     def _setup_model_ddp(self, load_checkpoint: bool):
         super()._setup_model_ddp(load_checkpoint)
@@ -418,6 +422,37 @@ class StreamingTrainer(Trainer):
         yield pending, ready(moved)
         pending_release(copied)
 
+    def _train_step(self, gpu_batch: dict, autocast_cache: bool = True):
+        """speculators' step: forward under autocast, backward, clipping, optimisers; returns
+        the loss and the metrics (device tensors)."""
+        with torch.autocast(
+            self.device_type, dtype=self.config.hidden_states_dtype, cache_enabled=autocast_cache
+        ):
+            _draft_tokens, loss, metrics = self.model(
+                **gpu_batch, **(self.config.train_call_kwargs or {})
+            )
+        self._optimizers_zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self._optimizers_step()
+        return loss, metrics
+
+    def _graphed_step(self):
+        """``graph_step``'s GraphedStep over ``_train_step`` (kept across epochs); refused
+        where it cannot run, with the reason."""
+        from eagle3lib.graphed_step import GraphedStep, capturable_optimizers
+
+        if not torch.cuda.is_available() or self.is_distributed:
+            raise ValueError("graphed step: one process on a GPU only (no CPU, no DDP)")
+        if self._graphed is None:
+
+            def prepare():
+                capturable_optimizers(self.optimizers, torch.device("cuda", self.local_rank))
+                self._optimizers_zero_grad()
+
+            self._graphed = GraphedStep(self._train_step, prepare)
+        return self._graphed
+
     # long: speculators' Trainer.train_epoch, kept step for step in its order so it can be compared
     def train_epoch(self, epoch, *, step_callback=None):  # noqa: C901 - mirrors speculators'
         from speculators.train import trainer as st
@@ -449,24 +484,25 @@ class StreamingTrainer(Trainer):
         def stop_asked() -> bool:
             return self.stop_request.signum is not None
 
+        step = self._train_step
+        if self.graph_step:
+            step = self._graphed_step()
+
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
             gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
             tokens = int((batch["document_ids"] != -1).sum())
             interval_tokens += tokens
-            with torch.autocast(self.device_type, dtype=self.config.hidden_states_dtype):
-                _draft_tokens, loss, metrics = self.model(
-                    **gpu_batch, **(self.config.train_call_kwargs or {})
-                )
-            self._optimizers_zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self._optimizers_step()
-            current_lrs = {type(o).__name__: o.param_groups[0]["lr"] for o in self.optimizers}
+            loss, metrics = step(gpu_batch)
+            at_log_step = self.global_step % self.config.log_freq == 0
+            if at_log_step:  # the rates this step used (a graphed step's are device tensors)
+                current_lrs = {
+                    type(o).__name__: float(o.param_groups[0]["lr"]) for o in self.optimizers
+                }
             self._schedulers_step()
 
-            at_log_step = self.global_step % self.config.log_freq == 0
             if at_log_step:  # the only full host sync (a stop vote waits a step behind)
+                metrics = dict(metrics)  # a graphed step's own dict stays as captured
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 now = time.perf_counter()

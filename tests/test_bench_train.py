@@ -246,6 +246,7 @@ def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
     assert [n for n, v in bench.VARIANTS.items() if v.experiment] == [
         "ours_muon_ffd_cg",
         "ours_muon_ffd_cppwrap",
+        "ours_ffd_graph",
     ]
 
 
@@ -336,3 +337,28 @@ def test_host_lead_is_the_gpu_work_queued_as_each_step_ends(bench):
     assert bench.host_lead([], []) == {"steps": 0}
     with pytest.raises(ValueError):
         bench.host_lead([1.0, 2.0], [3.0])
+
+
+def test_summary_compares_the_graphed_step_with_ours_ffd_under_its_own_keys(bench):
+    """ours_ffd_graph (the step captured into a CUDA graph) pairs with ours_ffd, quiet and
+    beside busy processes; its contended figures take graph_step.* keys, never #16's."""
+    results = []
+    for k in range(2):
+        results += [
+            run("ours_ffd", 50000, 0.001)
+            | {"loss_curve": {"train_loss": [4.0, 2.0]}, "window_fill": 0.94},
+            run("ours_ffd+contend", [20000, 40000][k], 0.001),
+            run("ours_ffd_graph", [55000, 60000][k], 0.001)
+            | {"loss_curve": {"train_loss": [4.0, 2.04]}},
+            run("ours_ffd_graph+contend", [52250, 54000][k], 0.002),
+        ]
+    summary, lines = bench.summarize(results, "h100")
+    assert summary["graph_step.speedup"]["pairs"] == [1.1, 1.2]
+    assert summary["graph_step.speedup"]["max_loss_relative_difference"] == pytest.approx(0.02)
+    assert summary["graph_step.contended.vs_quiet_per_pair"]["pairs"] == [0.95, 0.9]
+    assert "train.h100.graph_step.contended.tokens_per_s = 53125" in lines
+    assert summary["contended.vs_quiet_per_pair"]["pairs"] == [0.4, 0.8]  # ours_ffd's alone
+    assert "train.h100.contended.tokens_per_s = 30000" in lines
+    graph = bench.VARIANTS["ours_ffd_graph"]
+    assert graph.experiment and bench.variant("ours_ffd_graph+contend") == graph
+    assert bench.dataclasses.replace(graph, graph_step=False) == bench.VARIANTS["ours_ffd"]
