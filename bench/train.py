@@ -919,6 +919,12 @@ def run_or_note(name: str, run, failures: list[dict]) -> dict | None:
         failures.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         print(f"{name}: failed ({failures[-1]['error'][:300]}); the call goes on", flush=True)
         return None
+    finally:  # a finished run's trainer (a graphed step's memory pool) is in a reference
+        import gc  # cycle: free it before the next run, not during its capture
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def pairs(results: list[dict], a: str, b: str) -> list[float]:

@@ -444,6 +444,8 @@ class StreamingTrainer(Trainer):
 
         if not torch.cuda.is_available() or self.is_distributed:
             raise ValueError("graphed step: one process on a GPU only (no CPU, no DDP)")
+        if not self.sync_free:  # speculators' own metrics wait for the GPU inside the step
+            raise ValueError("graphed step: needs the sync-free loss metrics (sync_free)")
         if self._graphed is None:
 
             def prepare():

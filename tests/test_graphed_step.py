@@ -4,7 +4,7 @@ needs one: bench/train.py's ours_ffd_graph variant runs it)."""
 import pytest
 import torch
 
-from eagle3lib.graphed_step import GraphedStep, capturable_optimizers, copy_into
+from eagle3lib.graphed_step import capturable_optimizers, copy_into, detached
 
 
 def test_copy_into_writes_the_captured_tensors_in_place():
@@ -38,32 +38,33 @@ def test_copy_into_refuses_what_the_graph_did_not_capture(batch, message):
 @pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
 def test_adamw_becomes_capturable_and_its_scheduler_fills_the_rate_in_place():
     params = [torch.nn.Parameter(torch.ones(2))]
-    opt = torch.optim.AdamW(params, lr=0.5)
+    opt = torch.optim.AdamW(params, lr=0.5, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
     capturable_optimizers([opt], torch.device("cpu"))
     group = opt.param_groups[0]
     rate = group["lr"]
     assert group["capturable"] is True
     assert isinstance(rate, torch.Tensor) and rate.item() == 0.5
+    assert rate.dtype == torch.float32
     sched.step()
     assert group["lr"] is rate  # the captured step reads this tensor
     assert rate.item() == 0.25
 
 
-def test_optimisers_other_than_adamw_are_refused_by_name():
+def test_optimisers_other_than_fused_adamw_are_refused_by_name():
     muon = torch.optim.Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.02)
     with pytest.raises(ValueError, match="Muon cannot be captured"):
         capturable_optimizers([muon], torch.device("cpu"))
+    unfused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.5)
+    with pytest.raises(ValueError, match="must be fused"):
+        capturable_optimizers([unfused], torch.device("cpu"))
 
 
-def test_the_first_steps_run_eagerly_with_autocasts_cache_off():
-    calls = []
-
-    def step(batch, autocast_cache):
-        calls.append((batch["x"], autocast_cache))
-        return torch.tensor(0.0), {}
-
-    graphed = GraphedStep(step, prepare=lambda: calls.append("prepared"), eager_steps=2)
-    graphed({"x": 1})
-    graphed({"x": 2})
-    assert calls == [(1, False), (2, False)]  # no capture (and no prepare) yet
+def test_an_eager_steps_outputs_leave_their_autograd_history_behind():
+    weight = torch.nn.Parameter(torch.ones(2))
+    loss = (weight * 2).sum()
+    metrics = {"loss": loss * 1, "steps": 3}
+    out_loss, out_metrics = detached((loss, metrics))
+    assert loss.grad_fn is not None and out_loss.grad_fn is None
+    assert out_metrics["loss"].grad_fn is None and out_metrics["steps"] == 3
+    assert out_loss.item() == 4.0
