@@ -37,12 +37,12 @@ model are used by both. Variants (``VARIANTS``):
     ours_muon_ffd_cg      an experiment: ours_muon_ffd with inductor's CUDA graph trees (the
                           compiled regions of the draft's forward and backward replayed as CUDA
                           graphs; a new iteration marked after every step)
+    ours_muon_ffd_cppwrap an experiment: ours_muon_ffd with inductor's C++ wrapper launching
+                          the compiled kernels (less Python a kernel)
     ours_ffd_graph        an experiment: ours_ffd with the whole step (forward, backward,
                           clipping, AdamW) captured into one CUDA graph after 3 eager steps
                           and replayed (eagle3lib.graphed_step; not yet a train option)
-    ours_muon_ffd_cppwrap an experiment: ours_muon_ffd with inductor's C++ wrapper launching
-                          the compiled kernels (less Python a kernel)
-                          (a run of these two that fails is printed and listed under
+                          (a run of these three that fails is printed and listed under
                           "failed" in the summary; the call's other runs go on)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
                           loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
@@ -63,11 +63,13 @@ window (ours only); "rq wait" (``training_thread`` in the JSON) the share of the
 training thread spent runnable but waiting for a core (Linux's schedstat: starved by other
 processes), beside the share it ran; "lead ms" (``host_lead_ms``, with its min) the median
 over the timed steps of the GPU work still queued when the host ended a step: about a step's
-time or more where the GPU set the pace, a few ms where the host launching kernels did. The summary pairs the i-th runs of: ours and
-speculators' trainer at its best setting of the call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and
-that best, ours_muon and speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours,
-ours_muon_ffd_cg and ours_muon_ffd_cppwrap each with ours_muon_ffd; per comparison every
-pair's ratio, the min and the median.
+time or more where the GPU set the pace, a few ms where the host launching kernels did.
+The summary pairs the i-th runs of: ours and speculators' trainer at its best setting of the
+call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and that best, ours_muon and
+speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours, ours_muon_ffd_cg and
+ours_muon_ffd_cppwrap each with ours_muon_ffd, ours_ffd_graph with ours_ffd (quiet and
+contended: graph_step.speedup, graph_step.contended.*); per comparison every pair's ratio,
+the min and the median.
 It prints ``key = value`` lines. #16's keys name the workflow's default packing (ffd), each
 also under a name with the packing's (``packing_keys``); the runs with speculators' multipack
 print only the latter: train.<gpu>.tokens_per_s (the median ours_ffd run; ffd.tokens_per_s,
@@ -151,7 +153,10 @@ start more slowly):
      train job's threads and passive OpenMP waits (ffd under 12 busy processes, 4 pairs; the
      default recipe against speculators' CLI defaults, 4 pairs; the optimiser step alone;
      AdamW against speculators at 0, 4 and 12 workers, 3 pairs), then the first command of
-     plan 4: the queue bench/queues/train-threads.txt.
+     plan 4: the queue bench/queues/train-threads.txt (its first two entries, 3 pairs each:
+     bench/queues/train-threads-short.txt, run on an H100 on 2026-12-05).
+  6. one GPU, about 20 min: ours_ffd_graph's losses against ours_ffd's, both quiet and
+     beside 12 busy processes, then plan 5's item-1 pairs: bench/queues/train-graph.txt.
 """
 
 from __future__ import annotations

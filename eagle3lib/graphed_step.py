@@ -140,7 +140,6 @@ class GraphedStep:
     def _capture(self, batch: dict[str, Any]) -> None:
         self.prepare()  # optimisers capturable, gradients None (the graph allocates them)
         self.static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         failed = None
         try:
