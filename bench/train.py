@@ -41,8 +41,9 @@ model are used by both. Variants (``VARIANTS``):
                           the compiled kernels (less Python a kernel)
     ours_ffd_graph        an experiment: ours_ffd with the whole step (forward, backward,
                           clipping, AdamW) captured into one CUDA graph after 3 eager steps
-                          and replayed (eagle3lib.graphed_step; not yet a train option)
-                          (a run of these three that fails is printed and listed under
+                          and replayed (eagle3lib.graphed_step: train.graph_step)
+    ours_muon_ffd_graph   the same for ours_muon_ffd (Muon's rate a tensor on the device)
+                          (a run of these four that fails is printed and listed under
                           "failed" in the summary; the call's other runs go on)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
                           loader (spawned workers, prefetch 4, pinned) with 0, 4, 12 workers
@@ -68,8 +69,13 @@ The summary pairs the i-th runs of: ours and speculators' trainer at its best se
 call (highest median of speculators_w0/w4/w12/fastest), ours_ffd and that best, ours_muon and
 speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours, ours_muon_ffd_cg and
 ours_muon_ffd_cppwrap each with ours_muon_ffd, ours_ffd_graph with ours_ffd (quiet and
-contended: graph_step.speedup, graph_step.contended.*); per comparison every pair's ratio,
-the min and the median.
+contended: graph_step.speedup, graph_step.contended.*), ours_muon_ffd_graph with
+ours_muon_ffd and speculators_cli (graph_step.muon.speedup, graph_step.muon.contended.*,
+graph_step.muon.speedup_vs_speculators_cli), ours_muon_ffd+contend with ours_muon_ffd
+(muon.contended.*); per comparison every pair's ratio, the min and the median. "gpu wait"
+(``gpu_wait_fraction``) is the share of the window the training loop was held back for the
+GPU (``StreamingTrainer.steps_in_flight``: at most 2 steps queued ahead), not counted as
+data wait.
 It prints ``key = value`` lines. #16's keys name the workflow's default packing (ffd), each
 also under a name with the packing's (``packing_keys``); the runs with speculators' multipack
 print only the latter: train.<gpu>.tokens_per_s (the median ours_ffd run; ffd.tokens_per_s,
@@ -156,7 +162,12 @@ start more slowly):
      plan 4: the queue bench/queues/train-threads.txt (its first two entries, 3 pairs each:
      bench/queues/train-threads-short.txt, run on an H100 on 2026-12-05).
   6. one GPU, about 20 min: ours_ffd_graph's losses against ours_ffd's, both quiet and
-     beside 12 busy processes, then plan 5's item-1 pairs: bench/queues/train-graph.txt.
+     beside 12 busy processes, then plan 5's item-1 pairs: bench/queues/train-graph.txt
+     (run on an H100 on 2026-12-05, sixth session).
+  7. one GPU, about 25 min: the default recipe graphed (ours_muon_ffd_graph): its 50 losses
+     against ours_muon_ffd's, quiet and beside 12 busy processes against the eager step,
+     against speculators' CLI defaults, and AdamW's graphed step again with the bound on
+     steps in flight (data wait): bench/queues/train-graph-muon.txt.
 """
 
 from __future__ import annotations
@@ -308,9 +319,17 @@ VARIANTS = {
         cpp_wrapper=True,
     ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
-    # an experiment for a host that slows the step's launches: ours_ffd's step captured into
-    # one CUDA graph after 3 eager steps and replayed (AdamW only: its rate can be a tensor)
+    # for a host that slows the step's launches: ours_ffd's step captured into one CUDA graph
+    # after 3 eager steps and replayed (train.graph_step: true; an experiment here, so that a
+    # failed capture does not cost the call's other runs)
     "ours_ffd_graph": Variant(packing="ffd", graph_step=True),
+    # the same for the default recipe (Muon's rate a tensor on the device: muon.BatchedMuon)
+    "ours_muon_ffd_graph": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        graph_step=True,
+    ),
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
     "ours_1thread": Variant(loader_threads=0),  # one thread running speculators' collate
@@ -326,6 +345,20 @@ VARIANTS = {
     # its CLI's defaults: Muon, logging every step, 12 workers
     "speculators_cli": Variant("speculators", optimizer="muon", log_every=1, workers=12),
 }
+# the variants run beside busy processes (name+contend) that the summary compares with quiet
+CONTENDED = ("ours", "ours_ffd", "ours_ffd_graph", "ours_muon_ffd", "ours_muon_ffd_graph")
+
+
+def contended_prefixes(quiet: str) -> list[str]:
+    """The summary keys of ``quiet``+contend against ``quiet``: #16's (contended, by packing)
+    for AdamW's eager step; the default recipe's and the graphed steps' their own."""
+    v = VARIANTS[quiet]
+    muon = "muon." if v.optimizer == "muon" else ""
+    if v.graph_step:
+        return [f"graph_step.{muon}contended"]
+    return [f"{muon}contended"] if muon else packing_keys("contended", v.packing)
+
+
 SPECULATORS_SETTINGS = (
     "speculators_w0",
     "speculators_w4",
@@ -512,6 +545,7 @@ class StepClock:
         self.busy = Busy(busy)
         self.trainer = None
         self.waits: list[float] = []
+        self.gpu_waits: list[float] = []  # the trainer's gpu_wait_seconds at both ends
         self.sched: list[tuple[int, int] | None] = []  # the training thread's, at both ends
         # each timed step's end: host clock (s) and a CUDA event recorded there (host_lead)
         self.step_ends: list[tuple[float, object]] = []
@@ -531,6 +565,11 @@ class StepClock:
     def data_wait(self) -> float | None:
         """Seconds the training loop waited for batches inside the window (ours only)."""
         return self.waits[1] - self.waits[0] if len(self.waits) == 2 else None
+
+    def gpu_wait(self) -> float | None:
+        """Seconds the training loop was held back for the GPU inside the window (ours only:
+        ``StreamingTrainer.steps_in_flight``)."""
+        return self.gpu_waits[1] - self.gpu_waits[0] if len(self.gpu_waits) == 2 else None
 
     def __call__(self):
         self.step += 1
@@ -554,6 +593,8 @@ class StepClock:
                 self.busy.stop()
             if hasattr(self.trainer, "data_wait_seconds"):
                 self.waits.append(self.trainer.data_wait_seconds)
+            if hasattr(self.trainer, "gpu_wait_seconds"):
+                self.gpu_waits.append(self.trainer.gpu_wait_seconds)
         elif self.event0 is not None and self.t1 is None:  # a timed step: no sync here
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -772,18 +813,19 @@ def run_variant(
     tokens = sum(per_batch[args.warmup : args.steps])
     steps_timed = args.steps - args.warmup
     seconds = clock.t1 - clock.t0
-    wait = clock.data_wait()
+    wait, gpu_wait = clock.data_wait(), clock.gpu_wait()
     processes = stats.get("processes", 1)
     if processes > 1:  # every rank trained its own batches: add them up
         import torch.distributed as dist
 
         both = torch.tensor(
-            [float(tokens), seconds, wait or 0.0],
+            [float(tokens), seconds, wait or 0.0, gpu_wait or 0.0],
             device="cuda" if torch.cuda.is_available() else "cpu",
         )
         dist.all_reduce(both)
         tokens, seconds = int(both[0]), float(both[1]) / processes
         wait = float(both[2]) / processes if wait is not None else None
+        gpu_wait = float(both[3]) / processes if gpu_wait is not None else None
     curve = None
     if cfg.log_every == 1 or args.log_every:
         curves = train.loss_curves(train.read_metrics(state / "metrics.jsonl"))
@@ -812,6 +854,8 @@ def run_variant(
         "tokens_per_s": round(tokens / seconds),
         # the training loop's wait for batches: in the timed window, and over the whole run
         "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
+        # the training loop held back for the GPU (at most steps_in_flight steps ahead)
+        "gpu_wait_fraction": round(gpu_wait / seconds, 4) if gpu_wait is not None else None,
         # the training thread in the window: on a core, and runnable but waiting for one
         "training_thread": clock.training_thread(),
         # the GPU work queued as the host ended each timed step (ms): about a step or more,
@@ -1029,19 +1073,22 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         same_losses("gram.speedup_vs_standard", "ours_muon_ffd", "ours_muon_ffd_standard")
     comparison("muon.loader_1thread_vs_4threads", "ours_muon_1loader", "ours_muon")
     comparison("muon.loader_workers_vs_threads", "ours_muon_workers", "ours_muon")
-    comparison("graph_step.speedup", "ours_ffd_graph", "ours_ffd")
-    if "graph_step.speedup" in summary:  # with --log-every: the same training?
-        same_losses("graph_step.speedup", "ours_ffd_graph", "ours_ffd")
-    for quiet in ("ours", "ours_ffd", "ours_ffd_graph"):  # busy processes beside it
+    for key, graphed, eager in (
+        ("graph_step.speedup", "ours_ffd_graph", "ours_ffd"),
+        ("graph_step.muon.speedup", "ours_muon_ffd_graph", "ours_muon_ffd"),
+    ):
+        comparison(key, graphed, eager)
+        if key in summary:  # with --log-every: the same training?
+            same_losses(key, graphed, eager)
+    comparison(
+        "graph_step.muon.speedup_vs_speculators_cli", "ours_muon_ffd_graph", "speculators_cli"
+    )
+    for quiet in CONTENDED:  # busy processes beside it
         contended = median_of(results, quiet + CONTEND)
         if contended is None:
             continue
         waits = [r["data_wait_fraction"] for r in results if r["name"] == quiet + CONTEND]
-        prefixes = (  # the experiment's own keys: #16's name the train job's step
-            ["graph_step.contended"]
-            if VARIANTS[quiet].graph_step
-            else packing_keys("contended", VARIANTS[quiet].packing)
-        )
+        prefixes = contended_prefixes(quiet)
         for prefix in prefixes:
             summary[prefix] = {"tokens_per_s": contended, "data_wait_fractions": waits}
             lines.append(f"train.{tag}.{prefix}.tokens_per_s = {contended:.0f}")
@@ -1441,17 +1488,19 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     print(
         f"{'variant':26s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s} {'fill':>6s}"
-        f" {'data wait':>9s} {'rq wait':>8s} {'lead ms':>8s} {'wall s':>7s}"
+        f" {'data wait':>9s} {'gpu wait':>9s} {'rq wait':>8s} {'lead ms':>8s} {'wall s':>7s}"
     )
     for r in results:
         wait = "-" if r["data_wait_fraction"] is None else f"{r['data_wait_fraction']:.4f}"
+        held = r.get("gpu_wait_fraction")  # absent from runs of earlier code
+        held = "-" if held is None else f"{held:.4f}"
         thread = r.get("training_thread")  # absent from runs of earlier code (--baseline)
         queued = "-" if not thread else f"{thread['runqueue_wait_fraction']:.4f}"
         lead = r.get("host_lead_ms") or {}
         lead = f"{lead['median']:.1f}" if lead.get("steps") else "-"
         print(
             f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
-            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {queued:>8s}"
+            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {held:>9s} {queued:>8s}"
             f" {lead:>8s} {r['wall_s']:7.1f}"
         )
     print("\n".join(lines))

@@ -340,8 +340,8 @@ class Ranks:
         return owners
 
 
-def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float, weight_decay: float,
-           adjust_lr_fn, batched: bool) -> None:  # fmt: skip
+def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float | Tensor,
+           weight_decay: float, adjust_lr_fn, batched: bool) -> None:  # fmt: skip
     """torch's weight decay and update from a unit's ``_unit_result`` (its lr scale depends on
     the matrix's orientation, which a unit's matrices need not share). A "gram" result taken
     one matrix at a time (as ``gpu_optimizers`` takes them) is added to fp32 or fp64
@@ -353,6 +353,9 @@ def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float, weight_de
         ortho, scale = _oriented_as(result, params), 1 / GRAM_SCALE
     else:
         ortho, scale = _unpacked(result, kind, params), 1.0
+    if isinstance(lr, Tensor):
+        _apply_rate_on_device(params, ortho, scale, lr, weight_decay, adjust_lr_fn)
+        return
     if not batched:
         for p, o in zip(params, ortho, strict=True):
             p.mul_(1 - lr * weight_decay)
@@ -368,7 +371,23 @@ def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float, weight_de
         torch._foreach_add_(ps, us, alpha=alpha)
 
 
-def batched_muon(params, grads, bufs, *, lr: float, weight_decay: float, momentum: float,
+def _apply_rate_on_device(params: list[Tensor], ortho: list[Tensor], scale: float, lr: Tensor,
+                          weight_decay: float, adjust_lr_fn) -> None:  # fmt: skip
+    """``_apply``'s update with the learning rate a tensor on the device (a captured step's:
+    ``graphed_step.capturable_optimizers``), read there instead of baked in as a number:
+    the decay and each step size are tensors (the step size by matrix shape, torch's
+    ``_adjust_lr``), and each update is added in the parameter's dtype (addcmul, as ``add``'s
+    alpha does); the same update up to the rounding of the rate (float32) and its products."""
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    alphas: dict[float, Tensor] = {}
+    for p, o in zip(params, ortho, strict=True):
+        factor = -_adjust_lr(1.0, adjust_lr_fn, p.shape) * scale
+        if factor not in alphas:
+            alphas[factor] = lr * factor
+        p.addcmul_(o, alphas[factor])
+
+
+def batched_muon(params, grads, bufs, *, lr: float | Tensor, weight_decay: float, momentum: float,
                  nesterov: bool, ns_coefficients, ns_steps: int, eps: float,
                  adjust_lr_fn, gram: bool = False, batched: bool = True,
                  ranks: Ranks | None = None) -> None:  # fmt: skip
@@ -441,6 +460,12 @@ def _normalised_as_torch_does(buf: Tensor, eps: float) -> None:
         x.div_(x.norm().clamp(min=eps))
 
 
+def _rate(lr: float | Tensor) -> float | Tensor:
+    """A group's learning rate for ``batched_muon``: a number, or a tensor on the device as it
+    is (a captured step's: ``float()`` would wait for the GPU and bake the value in)."""
+    return lr if isinstance(lr, Tensor) and lr.device.type != "cpu" else float(lr)
+
+
 NEWTON_SCHULZ = ("gram", "standard")  # train.newton_schulz
 
 
@@ -490,7 +515,7 @@ class BatchedMuon(torch.optim.Muon):
         for group, params, grads, bufs in groups:
             if params:
                 batched_muon(
-                    params, grads, bufs, lr=float(group["lr"]),
+                    params, grads, bufs, lr=_rate(group["lr"]),
                     weight_decay=group["weight_decay"], momentum=group["momentum"],
                     nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
                     ns_steps=group["ns_steps"], eps=group["eps"],

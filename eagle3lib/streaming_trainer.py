@@ -3,6 +3,7 @@ for the GPU, and its progress lines."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import sys
@@ -13,6 +14,7 @@ import torch
 from speculators.train.trainer import Trainer
 
 from eagle3lib.distributed import barrier
+from eagle3lib.errors import UserError
 from eagle3lib.lifetime import StopRequest, stop_requests
 from eagle3lib.speculators_compat import speculators_patches
 
@@ -37,6 +39,31 @@ def thread_shares(before, after, seconds: float) -> dict[str, float] | None:
         "cpu_fraction": round((after[0] - before[0]) / (seconds * 1e9), 3),
         "runqueue_wait_fraction": round((after[1] - before[1]) / (seconds * 1e9), 4),
     }
+
+
+class StepsInFlight:
+    """Holds the host at most ``limit`` steps ahead of the GPU: ``launched()`` after each
+    step's launches records an event (a blocking one: the host sleeps on it instead of
+    spinning a core) and, with more than ``limit`` pending, waits for the oldest, adding the
+    time to ``wait_seconds`` (the GPU setting the pace). Without a bound, a step that launches
+    in a fraction of its GPU time (a graphed step) runs ahead until the loader's reused pinned
+    buffers are all in flight, then waits for one inside the loader: the GPU's back-pressure,
+    counted as data wait. On a CPU it does nothing."""
+
+    def __init__(self, limit: int = 2):
+        self.limit, self.wait_seconds = limit, 0.0
+        self.pending: collections.deque = collections.deque()
+
+    def launched(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        event = torch.cuda.Event(blocking=True)
+        event.record()
+        self.pending.append(event)
+        if len(self.pending) > self.limit:
+            t0 = time.perf_counter()
+            self.pending.popleft().synchronize()
+            self.wait_seconds += time.perf_counter() - t0
 
 
 STARVED = 0.05  # a training thread waiting for a core longer than this share of its run
@@ -226,6 +253,9 @@ class StreamingTrainer(Trainer):
     """
 
     data_wait_seconds = 0.0  # host time blocked waiting for the next batch (all epochs)
+    steps_in_flight = 2  # the host runs at most this many steps ahead of the GPU
+    _in_flight: StepsInFlight | None = None
+
     loader_threads = 4  # threads building batches (train.loader_threads); 0: one, as before
     sync_free = True  # speculators' loss metrics without host syncs (entries sync_free_eagle3)
     batched_muon = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
@@ -241,10 +271,15 @@ class StreamingTrainer(Trainer):
     # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
     # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
     ddp_broadcast_buffers = True
-    # an experiment (bench/train.py's *_graph variants): the step captured into a CUDA graph
-    # once and replayed (graphed_step.GraphedStep); AdamW, one GPU, batches of one shape
+    # train.graph_step: the step captured into a CUDA graph once and replayed
+    # (graphed_step.GraphedStep); AdamW or batched Muon, one GPU, batches of one shape
     graph_step = False
     _graphed = None
+
+    @property
+    def gpu_wait_seconds(self) -> float:
+        """Host time blocked on the GPU by ``steps_in_flight`` (all epochs)."""
+        return 0.0 if self._in_flight is None else self._in_flight.wait_seconds
 
     def _setup_model_ddp(self, load_checkpoint: bool):
         super()._setup_model_ddp(load_checkpoint)
@@ -308,7 +343,11 @@ class StreamingTrainer(Trainer):
         with speculators_patches(
             *patches, newton_schulz=self.newton_schulz, across_ranks=across_ranks
         ):
-            return super().setup_optimizer()
+            built = super().setup_optimizer()
+        from eagle3lib.graphed_step import plain_rates
+
+        plain_rates(self.optimizers)  # state saved by a graphed run (train.graph_step)
+        return built
 
     def _prefetched(self, loader, depth: int = 4):
         """(batch, release) of ``loader`` in order, built ahead in background threads.
@@ -443,9 +482,9 @@ class StreamingTrainer(Trainer):
         from eagle3lib.graphed_step import GraphedStep, capturable_optimizers
 
         if not torch.cuda.is_available() or self.is_distributed:
-            raise ValueError("graphed step: one process on a GPU only (no CPU, no DDP)")
+            raise UserError("graphed step: one process on a GPU only (no CPU, no DDP)")
         if not self.sync_free:  # speculators' own metrics wait for the GPU inside the step
-            raise ValueError("graphed step: needs the sync-free loss metrics (sync_free)")
+            raise UserError("graphed step: needs the sync-free loss metrics (sync_free)")
         if self._graphed is None:
 
             def prepare():
@@ -489,6 +528,10 @@ class StreamingTrainer(Trainer):
         step = self._train_step
         if self.graph_step:
             step = self._graphed_step()
+        if self._in_flight is None:
+            self._in_flight = StepsInFlight(self.steps_in_flight)
+        in_flight = self._in_flight
+        interval_gpu_wait = in_flight.wait_seconds
 
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
@@ -496,6 +539,7 @@ class StreamingTrainer(Trainer):
             tokens = int((batch["document_ids"] != -1).sum())
             interval_tokens += tokens
             loss, metrics = step(gpu_batch)
+            in_flight.launched()
             at_log_step = self.global_step % self.config.log_freq == 0
             if at_log_step:  # the rates this step used (a graphed step's are device tensors)
                 current_lrs = {
@@ -527,6 +571,8 @@ class StreamingTrainer(Trainer):
                             "tokens_per_s": interval_tokens / max(now - interval_start, 1e-9),
                             "data_wait_fraction": (self.data_wait_seconds - interval_wait)
                             / max(now - interval_start, 1e-9),
+                            "gpu_wait_fraction": (in_flight.wait_seconds - interval_gpu_wait)
+                            / max(now - interval_start, 1e-9),
                         },
                         "epoch": epoch,
                         "lr": lrs,
@@ -536,6 +582,7 @@ class StreamingTrainer(Trainer):
                 )
                 interval_tokens, interval_start = 0, now
                 interval_wait = self.data_wait_seconds
+                interval_gpu_wait = in_flight.wait_seconds
             self.global_step += 1
             if self.progress is not None:
                 self.progress.step(self.global_step, epoch, tokens, self.data_wait_seconds)

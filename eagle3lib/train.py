@@ -203,7 +203,7 @@ def with_loader_threads(cfg, configured: int | None, threads: int, processes: in
 
 
 # train.* keys that do not change what is trained (its state stays resumable when they change)
-RESOURCE_KEYS = ("gpus", "checkpoint_freq", "loader_threads")
+RESOURCE_KEYS = ("gpus", "checkpoint_freq", "loader_threads", "graph_step")
 
 
 def _expected_shards(manifests: list[dict], record: dict[str, Any]) -> dict[str, Any]:
@@ -325,6 +325,7 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
             trainer = trainer_cls(model, trainer_config, *loaders)
             if isinstance(trainer, StreamingTrainer):
                 trainer.loader_threads = cfg.loader_threads
+                trainer.graph_step = cfg.graph_step
             if torch.accelerator.current_accelerator() is None:
                 trainer.device_type = "cpu"
             with speculators_patches(
@@ -367,6 +368,11 @@ def train(
     pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
     rank = setup_distributed()
+    if cfg.graph_step:
+        from eagle3lib.graphed_step import refusal
+
+        if (why := refusal(cfg, world_size(), torch.cuda.is_available())) is not None:
+            raise UserError(f"train.graph_step: true, but {why}")
     trainer_class = with_newton_schulz(trainer_class or StreamingTrainer, cfg.newton_schulz)
     layout = muon_layout(cfg, trainer_class)
     fingerprint = _fingerprint(cfg, manifests, vocab_map, runtime, layout)

@@ -247,6 +247,7 @@ def test_an_experiments_failure_is_noted_and_the_call_goes_on(bench):
         "ours_muon_ffd_cg",
         "ours_muon_ffd_cppwrap",
         "ours_ffd_graph",
+        "ours_muon_ffd_graph",
     ]
 
 
@@ -362,3 +363,31 @@ def test_summary_compares_the_graphed_step_with_ours_ffd_under_its_own_keys(benc
     graph = bench.VARIANTS["ours_ffd_graph"]
     assert graph.experiment and bench.variant("ours_ffd_graph+contend") == graph
     assert bench.dataclasses.replace(graph, graph_step=False) == bench.VARIANTS["ours_ffd"]
+
+
+def test_the_graphed_default_recipe_takes_its_own_keys_beside_the_eager_ones(bench):
+    """ours_muon_ffd_graph pairs with ours_muon_ffd (losses too) and speculators_cli, and its
+    contended runs with its quiet ones under graph_step.muon.*; ours_muon_ffd+contend takes
+    muon.contended.*; AdamW's #16 keys (contended.*) stay absent without ours_ffd runs."""
+    results = []
+    for k in range(2):
+        results += [
+            run("ours_muon_ffd", 26000) | {"loss_curve": {"train_loss": [5.0, 4.0]}},
+            run("ours_muon_ffd+contend", [13000, 19500][k], 0.001),
+            run("ours_muon_ffd_graph", [28600, 31200][k])
+            | {"loss_curve": {"train_loss": [5.0, 4.04]}},
+            run("ours_muon_ffd_graph+contend", [28314, 31200][k], 0.003),
+            run("speculators_cli", 13000),
+        ]
+    summary, lines = bench.summarize(results, "h200")
+    assert summary["graph_step.muon.speedup"]["pairs"] == [1.1, 1.2]
+    assert summary["graph_step.muon.speedup"]["max_loss_relative_difference"] == pytest.approx(0.01)
+    assert "train.h200.graph_step.muon.speedup_vs_speculators_cli = 2.200" in lines
+    assert summary["graph_step.muon.contended.vs_quiet_per_pair"]["pairs"] == [0.99, 1.0]
+    assert "train.h200.graph_step.muon.contended.data_wait_fraction = 0.0030 (max)" in lines
+    assert summary["muon.contended.vs_quiet_per_pair"]["pairs"] == [0.5, 0.75]
+    assert "train.h200.muon.contended.tokens_per_s = 16250" in lines
+    assert "contended" not in summary and "graph_step.contended" not in summary
+    graph = bench.VARIANTS["ours_muon_ffd_graph"]
+    assert graph.experiment
+    assert bench.dataclasses.replace(graph, graph_step=False) == bench.VARIANTS["ours_muon_ffd"]

@@ -4,6 +4,7 @@ needs one: bench/train.py's ours_ffd_graph variant runs it)."""
 import pytest
 import torch
 
+from eagle3lib.errors import UserError
 from eagle3lib.graphed_step import capturable_optimizers, copy_into, detached
 
 
@@ -30,7 +31,7 @@ def test_copy_into_writes_the_captured_tensors_in_place():
 )
 def test_copy_into_refuses_what_the_graph_did_not_capture(batch, message):
     static = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "ttt_steps": 3}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         copy_into(static, batch)
     assert static["input_ids"].sum() == 0
 
@@ -51,13 +52,32 @@ def test_adamw_becomes_capturable_and_its_scheduler_fills_the_rate_in_place():
     assert rate.item() == 0.25
 
 
-def test_optimisers_other_than_fused_adamw_are_refused_by_name():
+def test_optimisers_other_than_adamw_and_batched_muon_are_refused_by_name():
+    """torch's Muon (speculators' own, or the large matrices with train.newton_schulz:
+    standard) takes its rate as a number; BatchedMuon split over DDP's ranks is refused too."""
+    from eagle3lib.muon import BatchedMuon
+
     muon = torch.optim.Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.02)
-    with pytest.raises(ValueError, match="Muon cannot be captured"):
+    with pytest.raises(UserError, match="Muon cannot be captured.*newton_schulz: gram"):
         capturable_optimizers([muon], torch.device("cpu"))
-    unfused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.5)
-    with pytest.raises(ValueError, match="must be fused"):
-        capturable_optimizers([unfused], torch.device("cpu"))
+    split = BatchedMuon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.02)
+    split.ranks = object()
+    with pytest.raises(UserError, match="split over ranks"):
+        capturable_optimizers([split], torch.device("cpu"))
+
+
+def test_foreach_adamw_becomes_capturable_with_its_step_counts_kept():
+    """speculators' AdamW beside Muon is foreach: its eager steps' counts (on the CPU) move to
+    the capture's device as float32 tensors, their values kept, and its rate becomes a tensor."""
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([weight], lr=0.5, foreach=True)
+    for _ in range(3):
+        weight.grad = torch.ones(2)
+        opt.step()
+    capturable_optimizers([opt], torch.device("cpu"))
+    group, step = opt.param_groups[0], opt.state[weight]["step"]
+    assert group["capturable"] is True and isinstance(group["lr"], torch.Tensor)
+    assert step.dtype == torch.float32 and step.item() == 3.0
 
 
 def test_an_eager_steps_outputs_leave_their_autograd_history_behind():
@@ -68,3 +88,66 @@ def test_an_eager_steps_outputs_leave_their_autograd_history_behind():
     assert loss.grad_fn is not None and out_loss.grad_fn is None
     assert out_metrics["loss"].grad_fn is None and out_metrics["steps"] == 3
     assert out_loss.item() == 4.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "processes", "gpu", "message"),
+    [
+        ({}, 1, False, "needs a GPU"),
+        ({}, 2, True, "one GPU only"),
+        ({"fsdp": True}, 1, True, "one GPU only"),
+        ({"packing": "multipack"}, 1, True, "train.packing: ffd"),
+        ({"newton_schulz": "standard"}, 1, True, "train.newton_schulz: gram"),
+    ],
+)
+def test_train_graph_step_is_refused_where_it_cannot_run(changes, processes, gpu, message):
+    from dataclasses import replace
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.graphed_step import refusal
+
+    assert refusal(TrainConfig(), 1, True) is None  # the default recipe on one GPU
+    assert refusal(TrainConfig(optimizer="adamw", newton_schulz="standard"), 1, True) is None
+    assert message in refusal(replace(TrainConfig(), **changes), processes, gpu)
+
+
+def test_the_train_job_refuses_graph_step_on_a_cpu_before_training(pipeline, tmp_path):
+    """train.train says why, naming the key, and leaves no state behind."""
+    from conftest import train_pipeline
+
+    state = tmp_path / "state"
+    state.mkdir()
+    with pytest.raises(UserError, match=r"^train.graph_step: true, but it needs a GPU"):
+        train_pipeline(pipeline, state, graph_step=True)
+    assert list(state.iterdir()) == []
+
+
+def test_a_graphed_runs_saved_optimiser_state_loads_back_into_an_eager_step():
+    """State saved with capturable rates (a graphed run's) and loaded into a new optimiser
+    becomes an eager one's again (plain_rates, which StreamingTrainer.setup_optimizer applies):
+    rate a number, capturable off, step counts on the CPU, and its next step on a CPU gives
+    the update of an optimiser that never was capturable, to the bit."""
+    from eagle3lib.graphed_step import plain_rates
+
+    def stepped(convert: bool):
+        weight = torch.nn.Parameter(torch.arange(4.0))
+        opt = torch.optim.AdamW([weight], lr=0.5, foreach=True)
+        for k in range(3):
+            weight.grad = torch.full((4,), float(k + 1))
+            opt.step()
+        if convert:
+            capturable_optimizers([opt], torch.device("cpu"))
+            fresh = torch.optim.AdamW([weight], lr=0.1, foreach=True)
+            fresh.load_state_dict(opt.state_dict())
+            plain_rates([fresh])
+            opt = fresh
+        weight.grad = torch.ones(4)
+        opt.step()
+        return weight.detach(), opt
+
+    plain, _ = stepped(False)
+    resumed, opt = stepped(True)
+    group, step = opt.param_groups[0], opt.state[opt.param_groups[0]["params"][0]]["step"]
+    assert group["lr"] == 0.5 and type(group["lr"]) is float and group["capturable"] is False
+    assert step.device.type == "cpu" and step.item() == 4.0
+    assert torch.equal(resumed, plain)

@@ -714,3 +714,54 @@ def test_gram_update_added_in_fp16_equals_adding_it_unpacked(nesterov, adjust_lr
         lr = muon._adjust_lr(0.02, adjust_lr_fn, w.shape)
         expected = w.clone().mul_(1 - 0.02 * 0.1).add_(o, alpha=-lr)
         assert torch.equal(p.detach(), expected), w.shape
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"newton_schulz": "gram"},
+        {"batched": False},
+        {"newton_schulz": "gram", "batched": False},
+    ],
+    ids=["stacked", "gram", "one_at_a_time", "gram_one_at_a_time"],
+)
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"], ids=str)
+def test_a_rate_tensor_on_the_device_gives_the_numbers_update(monkeypatch, settings, adjust_lr_fn):
+    """A captured step's learning rate (graphed_step.capturable_optimizers: a float32 tensor
+    that the scheduler fills in place) gives each matrix the update a number gives, within
+    1e-6 of it (relative Frobenius norm: the rate's float32 rounding), over steps whose rate
+    the scheduler changes. On a CPU the tensor stands in for one on the GPU (``_rate`` keeps
+    it); a rate off by 1 % is far outside."""
+    from eagle3lib.graphed_step import capturable_optimizers
+
+    monkeypatch.setattr(muon, "_rate", lambda lr: lr)
+
+    def updates(as_tensor: bool, scale: float = 1.0) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES + [(64, 256)]]
+        start = [p.detach().clone() for p in params]
+        opt = BatchedMuon(params, lr=0.02 * scale, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn,
+                          **settings)  # fmt: skip
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+        if as_tensor:
+            capturable_optimizers([opt], torch.device("cpu"))
+            rate = opt.param_groups[0]["lr"]
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            sched.step()
+        if as_tensor:
+            assert opt.param_groups[0]["lr"] is rate and rate.item() == pytest.approx(
+                0.02 * scale / 4
+            )
+        return [p.detach() - s for p, s in zip(params, start, strict=True)]
+
+    def worst(ours, ref):
+        return max(((a - b).norm() / b.norm()).item() for a, b in zip(ours, ref, strict=True))
+
+    numbers = updates(False)
+    assert worst(updates(True), numbers) < 1e-6
+    assert worst(updates(True, scale=1.01), numbers) > 1e-3

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import math
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,40 @@ def test_a_starved_training_thread_is_reported():
     quiet = {"cpu_fraction": 0.9, "runqueue_wait_fraction": 0.05}
     assert streaming_trainer.starved_line(quiet, 0) is None
     assert streaming_trainer.starved_line(None, 0) is None
+
+
+def test_the_host_waits_for_the_step_launched_limit_steps_before(monkeypatch):
+    """StepsInFlight (CUDA stood in for by events that record their order and a wait on
+    them): after each launch an event that blocks rather than spins; with more than ``limit``
+    pending, the host waits for the oldest and counts the time as the GPU's. On a CPU the
+    bound does nothing."""
+    waited: list[int] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self, blocking=False):
+            assert blocking  # the host sleeps on it, leaving its core to the loader threads
+            Event.made += 1
+            self.n = Event.made
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            waited.append(self.n)
+            time.sleep(0.01)
+
+    bound = streaming_trainer.StepsInFlight(limit=2)
+    bound.launched()  # no GPU: nothing recorded
+    assert not bound.pending and bound.wait_seconds == 0.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    for _ in range(5):
+        bound.launched()
+    assert waited == [1, 2, 3]  # steps 1-3 waited for as steps 3-5 were launched
+    assert [e.n for e in bound.pending] == [4, 5]
+    assert bound.wait_seconds >= 0.03
 
 
 def test_dataset_serves_speculators_contract_from_shards(pipeline):
