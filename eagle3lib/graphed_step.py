@@ -26,7 +26,8 @@ Muon's capture (``BatchedMuon`` with a rate tensor) is not yet run on a GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,8 +52,8 @@ def capturable_optimizers(optimizers: list[torch.optim.Optimizer], device) -> No
         elif not isinstance(o, torch.optim.AdamW):
             raise UserError(
                 f"graphed step: {type(o).__name__} cannot be captured with a learning rate "
-                "that changes every step; only fused AdamW (train.optimizer: adamw) and "
-                "batched Muon (train.optimizer: muon with train.newton_schulz: gram) can"
+                "that changes every step; only AdamW (train.optimizer: adamw, and beside "
+                "Muon) and batched Muon (train.optimizer: muon with train.newton_schulz: gram) can"
             )
         for group in o.param_groups:
             if isinstance(o, torch.optim.AdamW):
@@ -62,6 +63,30 @@ def capturable_optimizers(optimizers: list[torch.optim.Optimizer], device) -> No
                     if isinstance(state.get("step"), torch.Tensor):
                         state["step"] = state["step"].to(device=device, dtype=torch.float32)
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
+@contextlib.contextmanager
+def rates_as_numbers(optimizers: list[torch.optim.Optimizer], schedulers: list) -> Iterator[None]:
+    """A graphed run's rates saved as numbers: inside, each optimiser's rate tensor is swapped
+    for its value and each scheduler's last rates (clones of those tensors) become numbers, so
+    a saved state holds no tensor of this GPU (speculators loads the schedulers' without a
+    device map: a resume on a CPU, or another rank's GPU, would fail or allocate there). The
+    tensors are put back on exit: the captured step reads them, the schedulers fill them."""
+    held = []
+    for o in optimizers:
+        for group in o.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                held.append((group, group["lr"]))
+                group["lr"] = float(group["lr"])
+    for s in schedulers:
+        last = getattr(s, "_last_lr", None)
+        if last is not None:
+            s._last_lr = [float(x) for x in last]  # noqa: SLF001 - torch keeps them there
+    try:
+        yield
+    finally:
+        for group, rate in held:
+            group["lr"] = rate
 
 
 def plain_rates(optimizers: list[torch.optim.Optimizer]) -> None:

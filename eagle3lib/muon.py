@@ -377,7 +377,9 @@ def _apply_rate_on_device(params: list[Tensor], ortho: list[Tensor], scale: floa
     ``graphed_step.capturable_optimizers``), read there instead of baked in as a number:
     the decay and each step size are tensors (the step size by matrix shape, torch's
     ``_adjust_lr``), and each update is added in the parameter's dtype (addcmul, as ``add``'s
-    alpha does); the same update up to the rounding of the rate (float32) and its products."""
+    alpha does); for fp32 or fp64 parameters (the trainer's) the same update up to the
+    rounding of the rate (float32) and its products; a bf16 or fp16 parameter would take its
+    step size rounded to its own dtype (``add``'s alpha stays fp32)."""
     torch._foreach_mul_(params, 1 - lr * weight_decay)
     alphas: dict[float, Tensor] = {}
     for p, o in zip(params, ortho, strict=True):

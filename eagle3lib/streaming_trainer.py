@@ -349,6 +349,14 @@ class StreamingTrainer(Trainer):
         plain_rates(self.optimizers)  # state saved by a graphed run (train.graph_step)
         return built
 
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        """speculators' save, a graphed step's rate tensors saved as numbers
+        (``graphed_step.rates_as_numbers``)."""
+        from eagle3lib.graphed_step import rates_as_numbers
+
+        with rates_as_numbers(self.optimizers, getattr(self, "schedulers", None) or []):
+            return super().maybe_save_checkpoint(epoch, local_step=local_step)
+
     def _prefetched(self, loader, depth: int = 4):
         """(batch, release) of ``loader`` in order, built ahead in background threads.
 

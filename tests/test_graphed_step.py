@@ -151,3 +151,44 @@ def test_a_graphed_runs_saved_optimiser_state_loads_back_into_an_eager_step():
     assert group["lr"] == 0.5 and type(group["lr"]) is float and group["capturable"] is False
     assert step.device.type == "cpu" and step.item() == 4.0
     assert torch.equal(resumed, plain)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
+def test_a_graphed_runs_checkpoint_saves_its_rates_as_numbers(monkeypatch):
+    """StreamingTrainer's save (speculators' maybe_save_checkpoint, stood in for here) runs
+    with every rate tensor swapped for its value and the schedulers' last rates as numbers,
+    so the saved state holds no device tensor; afterwards the step reads, and the scheduler
+    fills, the same tensor as before."""
+    import io
+
+    from speculators.train.trainer import Trainer
+
+    from eagle3lib.streaming_trainer import StreamingTrainer
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([weight], lr=0.5, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    capturable_optimizers([opt], torch.device("cpu"))
+    rate = opt.param_groups[0]["lr"]
+    sched.step()
+    assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # torch clones the tensor there
+    saved = {}
+
+    def save(self, epoch, local_step=0):
+        buffer = io.BytesIO()
+        torch.save([self.optimizers[0].state_dict(), sched.state_dict()], buffer)
+        buffer.seek(0)
+        saved["state"] = torch.load(buffer, weights_only=True)
+
+    monkeypatch.setattr(Trainer, "maybe_save_checkpoint", save)
+    trainer = object.__new__(StreamingTrainer)
+    trainer.optimizers, trainer.schedulers = [opt], [sched]
+    trainer.maybe_save_checkpoint(0)
+    optimizer_state, scheduler_state = saved["state"]
+    assert optimizer_state["param_groups"][0]["lr"] == 0.25
+    assert type(optimizer_state["param_groups"][0]["lr"]) is float
+    assert [type(x) for x in scheduler_state["_last_lr"]] == [float]
+    assert scheduler_state["_last_lr"] == [0.25]
+    assert opt.param_groups[0]["lr"] is rate
+    sched.step()
+    assert rate.item() == pytest.approx(0.5 / 3)
