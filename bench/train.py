@@ -740,6 +740,7 @@ def run_variant(
         loader_threads=v.loader_threads,
         packing=v.packing,
         newton_schulz=v.newton_schulz,
+        graph_step=v.graph_step,  # as the train job sets it (train.train refuses where it can't)
         loss="eager" if args.eager_loss else "auto",
         fsdp=args.fsdp,
     )
@@ -776,7 +777,6 @@ def run_variant(
                 "ddp_broadcast_buffers": v.broadcast_buffers,
                 "batched_muon": v.batched_muon,
                 "muon_across_ranks": v.muon_across_ranks,
-                "graph_step": v.graph_step,
             },
         )
     else:

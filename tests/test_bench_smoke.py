@@ -73,13 +73,22 @@ def test_train_smoke(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = smoke(
-        "train.py", "--profile-steps", "0", "--variants", "ours,speculators_fastest",
-        "--num-layers", "2", "--muon-check", "2", "--out", str(tmp_path),
-        env={**env, "OMP_NUM_THREADS": "1"},
+        "train.py", "--profile-steps", "0", "--variants",
+        "ours,speculators_fastest,ours_ffd_graph", "--num-layers", "2", "--muon-check", "2",
+        "--out", str(tmp_path), env={**env, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     summary = json.loads((tmp_path / "bench_train.json").read_text())
     results = summary["results"]
     assert [r["name"] for r in results] == ["ours", "speculators_fastest"]
+    # the graphed step reaches the train job's own setting, which refuses it on a CPU; an
+    # experiment's failure is noted and the call goes on
+    assert summary["failed"] == [
+        {
+            "name": "ours_ffd_graph",
+            "error": "UserError: train.graph_step: true, but it needs a GPU (set it false on a "
+            "CPU)",
+        }
+    ]
     assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)
     # ours: its training thread and 4 loader threads (the train job's); theirs: torch's default
     assert [r["intra_op_threads"] for r in results] == [5, 1]
