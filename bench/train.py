@@ -89,7 +89,9 @@ gram.speedup_vs_standard (min), under DDP muon_split.speedup_vs_every_rank (min)
 ffd.pack_fill; --same-training N adds same_training.max_relative_difference
 (ours vs speculators' trainer, first N losses, same batches, logged every step) and the
 same for ours with twice the lr (a mutation that must exceed eagle3lib.train's
-SAME_TRAINING_BF16_RTOL); cuda_graphs.speedup and cpp_wrapper.speedup (min), with --log-every
+SAME_TRAINING_BF16_RTOL), with --same-training-optimizer muon as same_training.muon.*
+(speculators_muon_w0, ours_muon and ours_muon_lr2x: speculators' Muon against the train
+job's); cuda_graphs.speedup and cpp_wrapper.speedup (min), with --log-every
 their .max_loss_relative_difference, and the CUDA graphs runs' regions run without graphs;
 under torchrun with --baseline, scaling_efficiency per variant, and a line for any run
 whose ranks ended with different weights (``ranks_agree``).
@@ -167,7 +169,9 @@ start more slowly):
   7. one GPU, about 25 min: the default recipe graphed (ours_muon_ffd_graph): its 50 losses
      against ours_muon_ffd's, quiet and beside 12 busy processes against the eager step,
      against speculators' CLI defaults, and AdamW's graphed step again with the bound on
-     steps in flight (data wait): bench/queues/train-graph-muon.txt.
+     steps in flight (data wait), speculators' Muon against the train job's over 50 losses
+     (--same-training-optimizer muon), and the workflow's own train job with
+     train.graph_step (bench/workflow_gpu.py --graph-step): bench/queues/train-graph-muon.txt.
 """
 
 from __future__ import annotations
@@ -336,6 +340,12 @@ VARIANTS = {
     "ours_workers": Variant(workers=None),  # speculators' loader with --workers processes
     "ours_nobcast": Variant(broadcast_buffers=False),  # under torchrun: DDP without buffer sync
     "ours_lr2x": Variant(lr_factor=2.0),  # a mutation: twice the learning rate
+    # --same-training-optimizer muon: ours_muon with twice the rate (a mutation) and
+    # speculators' trainer with Muon on the same batches (no workers)
+    "ours_muon_lr2x": Variant(
+        optimizer="muon", log_every=TrainConfig.log_every, packing="multipack", lr_factor=2.0
+    ),
+    "speculators_muon_w0": Variant("speculators", optimizer="muon", log_every=10**9, workers=0),
     # speculators.train.trainer.Trainer, AdamW, no per-step logging, its loader (spawned
     # workers, prefetch 4, pinned) with 0, 4, 12 or --workers workers
     "speculators_w0": Variant("speculators", log_every=10**9, workers=0),
@@ -1142,10 +1152,19 @@ def pack_fill_lines(fills: dict[str, float], tag: str, total_seq_len: int) -> li
     ]
 
 
+# --same-training's runs by optimiser: speculators' trainer (the reference), ours, the mutation
+SAME_TRAINING = {
+    "adamw": ("speculators_w0", "ours", "ours_lr2x"),
+    "muon": ("speculators_muon_w0", "ours_muon", "ours_muon_lr2x"),
+}
+
+
 def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict, list[str]]:
-    """ours and speculators' trainer (no workers: the same batches, the same AdamW recipe),
-    and ours with twice the learning rate, ``--same-training`` steps with the loss logged every
-    step: the largest relative difference of each from speculators' losses."""
+    """ours and speculators' trainer (no workers: the same batches, the same recipe: AdamW,
+    or with --same-training-optimizer muon speculators' Muon against the train job's), and ours
+    with twice the learning rate, ``--same-training`` steps with the loss logged every step:
+    the largest relative difference of each from speculators' losses. Muon's keys take
+    ``same_training.muon``."""
     from eagle3lib.train import SAME_TRAINING_BF16_RTOL, max_relative_difference
 
     n = args.same_training
@@ -1153,14 +1172,16 @@ def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict,
         **{**vars(args), "steps": n, "warmup": 1, "profile_steps": 0, "sync_sites": 0}
     )
     short.log_every, short.contend = 1, 0
+    reference, name_ours, name_mutant = SAME_TRAINING[args.same_training_optimizer]
     curves = {}
-    for k, name in enumerate(("speculators_w0", "ours", "ours_lr2x")):
+    for k, name in enumerate((reference, name_ours, name_mutant)):
         result = run_variant(name, 1000 + k, short, record, *data["bf16"], vocab_map, out)
         curves[name] = result["loss_curve"]["train_loss"][:n]
-    ref = curves["speculators_w0"]
-    ours = max_relative_difference(ref, curves["ours"])
-    mutant = max_relative_difference(ref, curves["ours_lr2x"])
+    ref = curves[reference]
+    ours = max_relative_difference(ref, curves[name_ours])
+    mutant = max_relative_difference(ref, curves[name_mutant])
     summary = {
+        "optimizer": args.same_training_optimizer,
         "steps": min(len(c) for c in curves.values()),
         "tolerance": SAME_TRAINING_BF16_RTOL,
         "ours_max_relative_difference": ours,
@@ -1168,13 +1189,15 @@ def same_training(args, record, data: dict, vocab_map, out: Path) -> tuple[dict,
         "losses": curves,
     }
     tag = device_tag()
+    key = "same_training" + (".muon" if args.same_training_optimizer == "muon" else "")
     verdict = "within" if ours <= SAME_TRAINING_BF16_RTOL else "OUTSIDE"
     seen = "breaks it" if mutant > SAME_TRAINING_BF16_RTOL else "DOES NOT break it"
     lines = [
-        f"same training: first {summary['steps']} losses, ours vs speculators' trainer {verdict}"
-        f" the bf16 tolerance {SAME_TRAINING_BF16_RTOL}; twice the lr {seen}",
-        f"train.{tag}.same_training.max_relative_difference = {ours:.5f}",
-        f"train.{tag}.same_training.lr2x_max_relative_difference = {mutant:.5f}",
+        f"same training ({args.same_training_optimizer}): first {summary['steps']} losses, ours"
+        f" vs speculators' trainer {verdict} the bf16 tolerance {SAME_TRAINING_BF16_RTOL};"
+        f" twice the lr {seen}",
+        f"train.{tag}.{key}.max_relative_difference = {ours:.5f}",
+        f"train.{tag}.{key}.lr2x_max_relative_difference = {mutant:.5f}",
     ]
     return summary, lines
 
@@ -1341,6 +1364,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         metavar="STEPS",
         help="also train ours, speculators' trainer and ours with twice the lr for STEPS steps "
         "on the same batches, loss logged every step, and compare the losses",
+    )
+    p.add_argument(
+        "--same-training-optimizer",
+        choices=tuple(SAME_TRAINING),
+        default="adamw",
+        help="--same-training's recipe: AdamW, or Muon (speculators' against the train job's)",
     )
     p.add_argument(
         "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"

@@ -393,3 +393,20 @@ def test_signal_race_finds_no_missed_sigterm_in_this_checkout():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "signal_race.missed = 0\nsignal_race.trials = 3\n" in done.stdout
+
+
+def test_same_training_with_muon_smoke(tmp_path):
+    """--same-training with Muon on a CPU: speculators' trainer, ours and ours with twice the
+    rate train the same batches; on a CPU both run torch's Muon in fp32, so ours is within the
+    bf16 tolerance and the mutation outside it, under the Muon keys."""
+    out = smoke(
+        "train.py", "--profile-steps", "0", "--variants", "", "--same-training", "8",
+        "--same-training-optimizer", "muon", "--out", str(tmp_path),
+    )  # fmt: skip
+    same = json.loads((tmp_path / "bench_train.json").read_text())["same_training"]
+    assert same["optimizer"] == "muon"
+    assert sorted(same["losses"]) == ["ours_muon", "ours_muon_lr2x", "speculators_muon_w0"]
+    assert same["steps"] == 8
+    assert same["ours_max_relative_difference"] <= same["tolerance"]
+    assert same["lr2x_max_relative_difference"] > same["tolerance"]
+    assert "train.cpu.same_training.muon.max_relative_difference = " in out
