@@ -75,7 +75,8 @@ graph_step.muon.speedup_vs_speculators_cli), ours_muon_ffd+contend with ours_muo
 (muon.contended.*); per comparison every pair's ratio, the min and the median. "gpu wait"
 (``gpu_wait_fraction``) is the share of the window the training loop was held back for the
 GPU (``StreamingTrainer.steps_in_flight``: at most 2 steps queued ahead), not counted as
-data wait.
+data wait; "buf wait" (``buffer_wait_fraction``) the loader threads' wait for a free pinned
+buffer set over the window, summed over the threads (the GPU holding the sets).
 It prints ``key = value`` lines. #16's keys name the workflow's default packing (ffd), each
 also under a name with the packing's (``packing_keys``); the runs with speculators' multipack
 print only the latter: train.<gpu>.tokens_per_s (the median ours_ffd run; ffd.tokens_per_s,
@@ -533,12 +534,22 @@ def host_lead(host_ms: list[float], gpu_ms: list[float]) -> dict:
     }
 
 
+# StreamingTrainer's waits, in seconds: the training loop's for a batch (data), the training
+# loop held back for the GPU (gpu: steps_in_flight), and the loader threads' for a free pinned
+# buffer set (buffer: summed over the threads; the GPU holding the sets)
+WAITS = {
+    "data": "data_wait_seconds",
+    "gpu": "gpu_wait_seconds",
+    "buffer": "buffer_wait_seconds",
+}
+
+
 class StepClock:
     """Synchronised timestamps at two steps: the timed window excludes warm-up/compilation.
 
     With ``busy`` processes, they start after the first step (compilation), so the warm-up
-    steps already run beside them, and stop after the window. The trainer's data wait
-    (``data_wait_seconds``, ours only) is read at both ends of the window. After the window,
+    steps already run beside them, and stop after the window. The trainer's waits (WAITS,
+    ours only) are read at both ends of the window. After the window,
     ``sync_steps`` steps run in CUDA's sync debug mode (SyncSites), then ``profile_steps``
     under torch.profiler, to report how busy the GPU was (kernel time over wall time)."""
 
@@ -554,8 +565,8 @@ class StepClock:
         self.table = ""
         self.busy = Busy(busy)
         self.trainer = None
-        self.waits: list[float] = []
-        self.gpu_waits: list[float] = []  # the trainer's gpu_wait_seconds at both ends
+        # the trainer's waits (WAITS: ours only) read at both ends of the window
+        self.waits: dict[str, list[float]] = {kind: [] for kind in WAITS}
         self.sched: list[tuple[int, int] | None] = []  # the training thread's, at both ends
         # each timed step's end: host clock (s) and a CUDA event recorded there (host_lead)
         self.step_ends: list[tuple[float, object]] = []
@@ -572,14 +583,10 @@ class StepClock:
             return None
         return thread_shares(*self.sched, self.t1 - self.t0)
 
-    def data_wait(self) -> float | None:
-        """Seconds the training loop waited for batches inside the window (ours only)."""
-        return self.waits[1] - self.waits[0] if len(self.waits) == 2 else None
-
-    def gpu_wait(self) -> float | None:
-        """Seconds the training loop was held back for the GPU inside the window (ours only:
-        ``StreamingTrainer.steps_in_flight``)."""
-        return self.gpu_waits[1] - self.gpu_waits[0] if len(self.gpu_waits) == 2 else None
+    def waited(self, kind: str) -> float | None:
+        """Seconds of the trainer's wait ``kind`` (WAITS) inside the window (ours only)."""
+        ends = self.waits[kind]
+        return ends[1] - ends[0] if len(ends) == 2 else None
 
     def __call__(self):
         self.step += 1
@@ -601,10 +608,9 @@ class StepClock:
             self.sched.append(thread_schedstat())
             if self.step == self.stop:
                 self.busy.stop()
-            if hasattr(self.trainer, "data_wait_seconds"):
-                self.waits.append(self.trainer.data_wait_seconds)
-            if hasattr(self.trainer, "gpu_wait_seconds"):
-                self.gpu_waits.append(self.trainer.gpu_wait_seconds)
+            for kind, attribute in WAITS.items():
+                if hasattr(self.trainer, attribute):
+                    self.waits[kind].append(getattr(self.trainer, attribute))
         elif self.event0 is not None and self.t1 is None:  # a timed step: no sync here
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -823,7 +829,7 @@ def run_variant(
     tokens = sum(per_batch[args.warmup : args.steps])
     steps_timed = args.steps - args.warmup
     seconds = clock.t1 - clock.t0
-    wait, gpu_wait = clock.data_wait(), clock.gpu_wait()
+    wait, gpu_wait = clock.waited("data"), clock.waited("gpu")
     processes = stats.get("processes", 1)
     if processes > 1:  # every rank trained its own batches: add them up
         import torch.distributed as dist
@@ -866,6 +872,11 @@ def run_variant(
         "data_wait_fraction": round(wait / seconds, 4) if wait is not None else None,
         # the training loop held back for the GPU (at most steps_in_flight steps ahead)
         "gpu_wait_fraction": round(gpu_wait / seconds, 4) if gpu_wait is not None else None,
+        # the loader threads' wait for a free pinned buffer set, summed over the threads (so
+        # up to loader_threads x the window), over the window (this rank's)
+        "buffer_wait_fraction": None
+        if clock.waited("buffer") is None
+        else round(clock.waited("buffer") / seconds, 4),
         # the training thread in the window: on a core, and runnable but waiting for one
         "training_thread": clock.training_thread(),
         # the GPU work queued as the host ended each timed step (ms): about a step or more,
@@ -1517,20 +1528,23 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     print(
         f"{'variant':26s} {'optimizer':9s} {'ms/step':>8s} {'tokens/s':>9s} {'fill':>6s}"
-        f" {'data wait':>9s} {'gpu wait':>9s} {'rq wait':>8s} {'lead ms':>8s} {'wall s':>7s}"
+        f" {'data wait':>9s} {'gpu wait':>9s} {'buf wait':>9s} {'rq wait':>8s} {'lead ms':>8s}"
+        f" {'wall s':>7s}"
     )
     for r in results:
         wait = "-" if r["data_wait_fraction"] is None else f"{r['data_wait_fraction']:.4f}"
-        held = r.get("gpu_wait_fraction")  # absent from runs of earlier code
+        # absent from runs of earlier code
+        held, buffers = (r.get(k) for k in ("gpu_wait_fraction", "buffer_wait_fraction"))
         held = "-" if held is None else f"{held:.4f}"
+        buffers = "-" if buffers is None else f"{buffers:.4f}"
         thread = r.get("training_thread")  # absent from runs of earlier code (--baseline)
         queued = "-" if not thread else f"{thread['runqueue_wait_fraction']:.4f}"
         lead = r.get("host_lead_ms") or {}
         lead = f"{lead['median']:.1f}" if lead.get("steps") else "-"
         print(
             f"{r['variant']:26s} {r['optimizer']:9s} {r['ms_per_step']:8.1f}"
-            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {held:>9s} {queued:>8s}"
-            f" {lead:>8s} {r['wall_s']:7.1f}"
+            f" {r['tokens_per_s']:9d} {r['window_fill']:6.3f} {wait:>9s} {held:>9s}"
+            f" {buffers:>9s} {queued:>8s} {lead:>8s} {r['wall_s']:7.1f}"
         )
     print("\n".join(lines))
     print(f"bench wall time: {wall} s")

@@ -21,6 +21,7 @@ import bisect
 import concurrent.futures
 import itertools
 import queue
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -293,7 +294,9 @@ def shard_collator(dataset, collate_fn, pin: bool) -> ShardCollator | None:
 
 class _Pool:
     """Reusable batch buffers, made on first use, at most ``size`` sets. A set comes back with
-    the CUDA event recorded after its copy to the GPU and is written again only after it."""
+    the CUDA event recorded after its copy to the GPU and is written again only after it.
+    ``wait_seconds``: the loader threads' time (summed over them) blocked for a set, waiting
+    for one to come back or for its copy to finish (the GPU's back-pressure on the loader)."""
 
     def __init__(self, make: Callable[[], dict], size: int):
         import threading
@@ -301,6 +304,7 @@ class _Pool:
         self.make, self.size, self.made = make, size, 0
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
+        self.wait_seconds = 0.0
 
     def get(self) -> dict:
         with self.lock:
@@ -308,9 +312,13 @@ class _Pool:
             self.made += fresh
         if fresh:
             return self.make()
+        t0 = time.perf_counter()
         buffers, event = self.free.get()
         if event is not None:
             event.synchronize()
+        waited = time.perf_counter() - t0
+        with self.lock:
+            self.wait_seconds += waited
         return buffers
 
     def put(self, buffers: dict, event=None) -> None:
@@ -331,6 +339,7 @@ class ThreadedBatches:
         self.depth = depth or max(2, self.threads)
         self.pin = bool(loader.pin_memory) and torch.cuda.is_available()
         self.collator = shard_collator(loader.dataset, loader.collate_fn, self.pin)
+        self.pool: _Pool | None = None  # the iteration's buffer sets (with the ShardCollator)
 
     def __len__(self) -> int:
         return len(self.loader.batch_sampler)
@@ -346,6 +355,7 @@ class ThreadedBatches:
         # a set is in the window (depth batches) or the caller's: at most the batch being
         # copied to the GPU and the current one (StreamingTrainer._device_batches)
         pool = _Pool(self.collator.buffers, self.depth + 2) if self.collator else None
+        self.pool = pool  # its wait_seconds: the loader's wait for a free buffer set
 
         def build(indices):
             if pool is None or len(indices) == 0:

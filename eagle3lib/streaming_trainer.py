@@ -276,6 +276,16 @@ class StreamingTrainer(Trainer):
     graph_step = False
     _graphed = None
 
+    _threaded = None  # this epoch's ThreadedBatches, while it runs
+    _buffer_wait_done = 0.0  # the earlier epochs' buffer waits
+
+    @property
+    def buffer_wait_seconds(self) -> float:
+        """The loader threads' time (summed over them, all epochs) blocked for a free pinned
+        buffer set (``batches._Pool``): the GPU holding the sets, not the loader's own pace."""
+        pool = getattr(self._threaded, "pool", None)
+        return self._buffer_wait_done + (pool.wait_seconds if pool is not None else 0.0)
+
     @property
     def gpu_wait_seconds(self) -> float:
         """Host time blocked on the GPU by ``steps_in_flight`` (all epochs)."""
@@ -366,7 +376,8 @@ class StreamingTrainer(Trainer):
         if self.loader_threads and not loader.num_workers:
             from eagle3lib.batches import ThreadedBatches
 
-            batches = iter(ThreadedBatches(loader, self.loader_threads))
+            self._threaded = ThreadedBatches(loader, self.loader_threads)
+            batches = iter(self._threaded)
         else:
             batches = self._one_thread(loader, depth)
         try:
@@ -379,6 +390,8 @@ class StreamingTrainer(Trainer):
                 yield item
         finally:
             batches.close()  # stops its threads now, also when the epoch ends early
+            self._buffer_wait_done = self.buffer_wait_seconds
+            self._threaded = None
 
     def _one_thread(self, loader, depth: int):
         """(batch, release) of ``loader``, iterated in one background thread (reading and

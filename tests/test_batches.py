@@ -108,6 +108,25 @@ def test_threaded_batches_raise_the_loaders_error_in_the_caller(pipeline, monkey
         next(iter(batches.ThreadedBatches(loader, 2)))
 
 
+def test_the_pool_counts_the_loaders_wait_for_a_free_buffer_set():
+    """A set is made while fewer than ``size`` exist; after that a loader thread waits for one
+    to come back and for its copy's event: both waits add up in ``wait_seconds`` (a CUDA
+    event stood in for by one whose synchronize sleeps)."""
+    import threading
+    import time
+
+    class Copy:
+        def synchronize(self):
+            time.sleep(0.05)
+
+    pool = batches._Pool(dict, size=1)  # noqa: SLF001
+    first = pool.get()
+    assert pool.wait_seconds == 0.0  # made, not waited for
+    threading.Timer(0.05, pool.put, (first, Copy())).start()  # handed back later
+    assert pool.get() is first
+    assert 0.09 <= pool.wait_seconds < 1.0
+
+
 # ---- packing ---------------------------------------------------------------------------------
 
 

@@ -92,6 +92,10 @@ def test_train_smoke(tmp_path):
     assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)
     # ours: its training thread and 4 loader threads (the train job's); theirs: torch's default
     assert [r["intra_op_threads"] for r in results] == [5, 1]
+    # ours' waits in the window (the loader's for a free buffer set, the loop's for the GPU);
+    # speculators' trainer has none
+    assert [r["buffer_wait_fraction"] is None for r in results] == [False, True]
+    assert [r["gpu_wait_fraction"] for r in results] == [0.0, None]  # no GPU to wait for
     assert {r["omp_wait_policy"] for r in results} == {"PASSIVE"}
     # the training thread's time in the window from Linux's schedstat: on a core for part of
     # it (it trains on the CPU here), never more than all of it; waiting for a core the rest
