@@ -297,7 +297,8 @@ def test_the_train_job_splits_muon_over_ddp_ranks_only(monkeypatch, distributed,
         yield
 
     monkeypatch.setattr(streaming_trainer, "speculators_patches", patches)
-    monkeypatch.setattr(Trainer, "setup_optimizer", lambda self: None)
+    # speculators' setup_optimizer builds self.optimizers (none here)
+    monkeypatch.setattr(Trainer, "setup_optimizer", lambda self: setattr(self, "optimizers", []))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     trainer = streaming_trainer.StreamingTrainer.__new__(streaming_trainer.StreamingTrainer)
     trainer.config = SimpleNamespace(optimizer="muon", fsdp_shard=fsdp)
