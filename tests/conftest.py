@@ -122,6 +122,14 @@ def run_snakemake(
     return proc
 
 
+def proc_entries(name: str) -> list[tuple[int, Path]]:
+    """(pid, /proc/<pid>/<name>) of every process listed now. Listed, not globbed: Path.glob
+    stats each match, and a process that exits meanwhile makes that stat raise ESRCH
+    (ProcessLookupError), which glob does not skip; reading a listed one may fail the same
+    way, so callers catch OSError."""
+    return [(int(d), Path("/proc", d, name)) for d in os.listdir("/proc") if d.isdigit()]
+
+
 def alive(pid: int) -> bool:
     """The process runs (a zombie that nobody reaped has ended)."""
     try:

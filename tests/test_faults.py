@@ -27,6 +27,7 @@ from conftest import (
     alive,
     executed_jobs,
     job_counts,
+    proc_entries,
     regenerate_command,
     run_snakemake,
     train_command,
@@ -77,12 +78,12 @@ def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, also those in sessions of their own (the GPU wrapper
     starts each job in its own session), from /proc."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for child, stat in proc_entries("stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -9,23 +9,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, alive, wait_until
+from conftest import ROOT, alive, proc_entries, wait_until
 
 
 def pids_running(program: str, marker: str) -> list[int]:
     """Running processes of this interpreter whose first argument is ``program`` and whose
     command line contains ``marker`` (not the job's ``bash -c "... exec ..."`` before it execs)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for pid, cmdline in proc_entries("cmdline"):
         try:
             argv = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
         if argv[:2] == [sys.executable, program] and marker in " ".join(argv):
-            found.append(int(cmdline.parent.name))
+            found.append(pid)
     return [p for p in found if alive(p)]
 
 
