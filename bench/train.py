@@ -13,8 +13,10 @@ model are used by both. Variants (``VARIANTS``):
                           batches built by 4 threads (train.loader_threads)
     ours_muon             the workflow's default recipe (Muon, log every 10 steps) with
                           speculators' packing (multipack)
-    ours_muon_ffd         the workflow's default recipe whole: ours_muon with train.packing: ffd
-                          (both with train.newton_schulz: gram, the default since 2026-12-05)
+    ours_muon_ffd         the workflow's default recipe: ours_muon with train.packing: ffd
+                          (both with train.newton_schulz: gram, the default since 2026-12-05),
+                          its step run eagerly (train.graph_step: false; what the default,
+                          auto, runs on several GPUs; on one GPU it is ours_muon_ffd_graph)
     ours_muon_ffd_standard ours_muon_ffd with train.newton_schulz: standard (torch's iteration
                           for every matrix, the train job's Muon before 2026-12-05)
     ours_muon_ffd_every_rank ours_muon_ffd whose DDP ranks each orthogonalise every Muon
@@ -39,10 +41,12 @@ model are used by both. Variants (``VARIANTS``):
                           graphs; a new iteration marked after every step)
     ours_muon_ffd_cppwrap an experiment: ours_muon_ffd with inductor's C++ wrapper launching
                           the compiled kernels (less Python a kernel)
-    ours_ffd_graph        an experiment: ours_ffd with the whole step (forward, backward,
-                          clipping, AdamW) captured into one CUDA graph after 3 eager steps
-                          and replayed (eagle3lib.graphed_step: train.graph_step)
-    ours_muon_ffd_graph   the same for ours_muon_ffd (Muon's rate a tensor on the device)
+    ours_ffd_graph        ours_ffd with the whole step (forward, backward, clipping, AdamW)
+                          captured into one CUDA graph after 3 eager steps and replayed
+                          (eagle3lib.graphed_step; train.graph_step: true, and what its
+                          default, auto, runs on one GPU since 2026-12-05, seventh session)
+    ours_muon_ffd_graph   the same for ours_muon_ffd (Muon's rate a tensor on the device): the
+                          workflow's default recipe on one GPU as the train job runs it
                           (a run of these four that fails is printed and listed under
                           "failed" in the summary; the call's other runs go on)
     speculators_w0/w4/w12 speculators.train.trainer.Trainer, AdamW, no per-step logging, its
@@ -71,7 +75,8 @@ speculators_cli, ours_muon_ffd and speculators_cli, ours_ffd and ours, ours_muon
 ours_muon_ffd_cppwrap each with ours_muon_ffd, ours_ffd_graph with ours_ffd (quiet and
 contended: graph_step.speedup, graph_step.contended.*), ours_muon_ffd_graph with
 ours_muon_ffd and speculators_cli (graph_step.muon.speedup, graph_step.muon.contended.*,
-graph_step.muon.speedup_vs_speculators_cli), ours_muon_ffd+contend with ours_muon_ffd
+graph_step.muon.speedup_vs_speculators_cli), ours_ffd_graph with speculators' best
+(graph_step.speedup_vs_speculators; its median run graph_step.tokens_per_s), ours_muon_ffd+contend with ours_muon_ffd
 (muon.contended.*); per comparison every pair's ratio, the min and the median. "gpu wait"
 (``gpu_wait_fraction``) is the share of the window the training loop was held back for the
 GPU (``StreamingTrainer.steps_in_flight``: at most 2 steps queued ahead), not counted as
@@ -172,7 +177,13 @@ start more slowly):
      against speculators' CLI defaults, and AdamW's graphed step again with the bound on
      steps in flight (data wait), speculators' Muon against the train job's over 50 losses
      (--same-training-optimizer muon), and the workflow's own train job with
-     train.graph_step (bench/workflow_gpu.py --graph-step): bench/queues/train-graph-muon.txt.
+     train.graph_step (bench/workflow_gpu.py --graph-step): bench/queues/train-graph-muon.txt
+     (run on an H100 on 2026-12-05, seventh session, but for the workflow's train job).
+  8. one GPU, about 25 min: with train.graph_step: auto, the train job's default since the
+     seventh session, the workflow at its default over 2 epochs, two eager AdamW runs' 50
+     losses beside the graphed one's, then #16's item 1 with the graphed steps (AdamW
+     against speculators at 0, 4 and 12 workers, the default recipe against its CLI
+     defaults, 3 pairs): bench/queues/train-auto.txt.
 """
 
 from __future__ import annotations
@@ -261,7 +272,8 @@ class Variant:
     # experiments, not train options: how torch.compile's code launches its kernels on a GPU
     cuda_graphs: bool = False  # inductor's CUDA graph trees (mode "reduce-overhead")
     cpp_wrapper: bool = False  # inductor's C++ wrapper in place of its Python one
-    graph_step: bool = False  # the whole step captured into one CUDA graph (graphed_step)
+    graph_step: bool = False  # the whole step captured into one CUDA graph (graphed_step):
+    # set either way here, never the train job's auto
 
     @property
     def experiment(self) -> bool:
@@ -325,8 +337,8 @@ VARIANTS = {
     ),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     # for a host that slows the step's launches: ours_ffd's step captured into one CUDA graph
-    # after 3 eager steps and replayed (train.graph_step: true; an experiment here, so that a
-    # failed capture does not cost the call's other runs)
+    # after 3 eager steps and replayed (train.graph_step: true, auto's choice on one GPU;
+    # an experiment here, so that a failed capture does not cost the call's other runs)
     "ours_ffd_graph": Variant(packing="ffd", graph_step=True),
     # the same for the default recipe (Muon's rate a tensor on the device: muon.BatchedMuon)
     "ours_muon_ffd_graph": Variant(
@@ -1060,16 +1072,23 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
             summary[key]["max_loss_relative_difference"] = max(differences)
             lines.append(f"train.{tag}.{key}.max_loss_relative_difference = {max(differences):.5f}")
 
-    for name in ("ours", "ours_ffd"):  # AdamW with each packing: its median run
+    # AdamW with each packing, and ffd's step graphed (the train job's default on one GPU
+    # since 2026-12-05: graph_step.* keys beside the eager step's): its median run
+    for name, keys in (
+        ("ours", packing_keys("tokens_per_s", VARIANTS["ours"].packing)),
+        ("ours_ffd", packing_keys("tokens_per_s", VARIANTS["ours_ffd"].packing)),
+        ("ours_ffd_graph", ["graph_step.tokens_per_s"]),
+    ):
         runs = sorted((r for r in results if r["name"] == name), key=lambda r: r["tokens_per_s"])
         if not runs:
             continue
         mid = runs[(len(runs) - 1) // 2]
-        for k in packing_keys("tokens_per_s", VARIANTS[name].packing):
+        for k in keys:
             lines.append(f"train.{tag}.{k} = {mid['tokens_per_s']}")
         if mid["data_wait_fraction"] is not None:
-            for k in packing_keys("data_wait_fraction", VARIANTS[name].packing):
-                lines.append(f"train.{tag}.{k} = {mid['data_wait_fraction']:.4f}")
+            for k in keys:
+                wait = k.removesuffix("tokens_per_s") + "data_wait_fraction"
+                lines.append(f"train.{tag}.{wait} = {mid['data_wait_fraction']:.4f}")
     settings = {s: median_of(results, s) for s in SPECULATORS_SETTINGS}
     settings = {s: m for s, m in settings.items() if m is not None}
     if settings:
@@ -1083,6 +1102,7 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         )
         for name in ("ours", "ours_ffd"):
             comparison(packing_keys("speedup_vs_speculators", VARIANTS[name].packing), name, best)
+        comparison("graph_step.speedup_vs_speculators", "ours_ffd_graph", best)
     for name in ("ours_muon", "ours_muon_ffd"):
         keys = packing_keys("muon.speedup_vs_speculators_cli", VARIANTS[name].packing)
         comparison(keys, name, "speculators_cli")

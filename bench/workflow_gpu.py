@@ -4,7 +4,7 @@
     eval "$(bench/gpu_setup.sh install)"         # on the GPU machine (no network there)
     python3 bench/workflow_gpu.py --gpus 1       # one H200
     python3 bench/workflow_gpu.py --gpus 2       # two H200s: extract jobs on both at once, DDP
-    python3 bench/workflow_gpu.py --gpus 1 --graph-step   # the train job with train.graph_step
+    python3 bench/workflow_gpu.py --gpus 1 --graph-step false  # the train job's eager step
     python bench/workflow_gpu.py --smoke         # CPU, tiny verifier: checks this script
                                                  # (after `pack`, or `pack-text` alone)
 
@@ -206,7 +206,8 @@ def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dic
         "train": {
             "epochs": a.epochs,
             "gpus": a.gpus if not a.smoke else 0,
-            **({"graph_step": True} if a.graph_step else {}),
+            # auto, the default, graphs the step on one GPU (eagle3lib.graphed_step.decide)
+            **({} if a.graph_step == "auto" else {"graph_step": a.graph_step == "true"}),
         },
         "evaluate": {
             "k": 3,
@@ -350,7 +351,10 @@ def main() -> None:
         "--jobs-per-gpu", type=int, default=1, help="extract.jobs_per_gpu (jobs sharing a GPU)"
     )
     p.add_argument(
-        "--graph-step", action="store_true", help="train.graph_step: true (one GPU only)"
+        "--graph-step",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="train.graph_step (auto, the default: graphed on one GPU, eager on several)",
     )
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=64)
@@ -480,7 +484,8 @@ def report(result: dict, a) -> None:
             )
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
     tag = "cpu" if a.smoke else ("h200" if a.gpus <= 1 else f"{a.gpus}xh200")
-    tag += ".graph_step" if a.graph_step else ""  # its own keys beside the eager step's
+    # true and false take their own keys beside the default's
+    tag += {"auto": "", "true": ".graph_step", "false": ".eager_step"}[a.graph_step]
     ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs
     if a.jobs_per_gpu > 1 and not a.smoke:  # (no GPU to share in a smoke run)
         ex += f".shared{a.jobs_per_gpu}"

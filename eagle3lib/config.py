@@ -226,7 +226,7 @@ class TrainConfig:
     log_every: int = 10
     loader_workers: int = 0
     loader_threads: int = 4
-    graph_step: bool = False
+    graph_step: bool | str = "auto"  # true, false or auto (graphed where it can run)
     packing: str = "ffd"
     attention: str = "auto"
     loss: str = "auto"

@@ -109,10 +109,12 @@ def plain_rates(optimizers: list[torch.optim.Optimizer]) -> None:
                     state["step"] = state["step"].to("cpu", torch.float32)
 
 
-def refusal(cfg, processes: int, gpu: bool) -> str | None:
+def refusal(cfg, processes: int, gpu: bool, streaming: bool = True) -> str | None:
     """Why ``train.graph_step`` cannot run with train config ``cfg`` over ``processes``
-    processes (``gpu``: one is there), or None: said before the run starts, not at the
-    capture a few steps in."""
+    processes (``gpu``: one is there; ``streaming``: the trainer is StreamingTrainer), or
+    None: said before the run starts, not at the capture a few steps in."""
+    if not streaming:
+        return "it needs eagle3lib's StreamingTrainer (speculators' Trainer steps eagerly)"
     if not gpu:
         return "it needs a GPU (set it false on a CPU)"
     if processes > 1 or cfg.fsdp:
@@ -125,6 +127,22 @@ def refusal(cfg, processes: int, gpu: bool) -> str | None:
             "the large matrices and reads its learning rate as a number)"
         )
     return None
+
+
+def decide(cfg, processes: int, gpu: bool, streaming: bool = True) -> tuple[bool, str]:
+    """Whether the train job captures its step (``train.graph_step``: true, false or auto),
+    with the reason for its log. auto graphs where ``refusal`` finds nothing against it and
+    runs the eager step elsewhere; true where it cannot run is a UserError naming the key."""
+    why = refusal(cfg, processes, gpu, streaming)
+    if cfg.graph_step is True:
+        if why is not None:
+            raise UserError(f"train.graph_step: true, but {why}")
+        return True, "the step captured into one CUDA graph (train.graph_step: true)"
+    if cfg.graph_step == "auto" and why is None:
+        return True, "the step captured into one CUDA graph (train.graph_step: auto)"
+    if cfg.graph_step == "auto":
+        return False, f"the step run eagerly (train.graph_step: auto; a graphed step: {why})"
+    return False, "the step run eagerly (train.graph_step: false)"
 
 
 # a batch's host-side count that changes from batch to batch: the loop logs the host batch's

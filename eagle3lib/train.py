@@ -10,6 +10,7 @@ CPU-only machine and for exact resumption, is in ``speculators_compat``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from speculators.train.trainer import Trainer
 from eagle3lib.distributed import barrier, ranks_agree, setup_distributed, world_size
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_json
+from eagle3lib.graphed_step import decide as decide_graph_step
 from eagle3lib.speculators_compat import cpu_trainer_patches, speculators_patches
 from eagle3lib.streaming_trainer import (
     StreamingTrainer,
@@ -194,8 +196,6 @@ def with_loader_threads(cfg, configured: int | None, threads: int, processes: in
     """``cfg`` with ``configured`` loader threads (None: its own), at most what each of
     ``processes`` gets of ``threads`` granted (0: no limit) besides its training thread, and at
     least 1 unless 0 is configured (one thread running speculators' collate)."""
-    import dataclasses
-
     n = cfg.loader_threads if configured is None else configured
     if n and threads:
         n = max(1, min(n, threads // max(processes, 1) - 1))
@@ -368,12 +368,13 @@ def train(
     pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
     rank = setup_distributed()
-    if cfg.graph_step:
-        from eagle3lib.graphed_step import refusal
-
-        if (why := refusal(cfg, world_size(), torch.cuda.is_available())) is not None:
-            raise UserError(f"train.graph_step: true, but {why}")
     trainer_class = with_newton_schulz(trainer_class or StreamingTrainer, cfg.newton_schulz)
+    graphed, graph_reason = decide_graph_step(
+        cfg, world_size(), torch.cuda.is_available(), issubclass(trainer_class, StreamingTrainer)
+    )
+    cfg = dataclasses.replace(cfg, graph_step=graphed)  # a bool from here on
+    if rank == 0:
+        print(f"train: {graph_reason}", file=sys.stderr, flush=True)
     layout = muon_layout(cfg, trainer_class)
     fingerprint = _fingerprint(cfg, manifests, vocab_map, runtime, layout)
     resumed = fingerprinted_dir(state_dir, fingerprint) if rank == 0 else None
@@ -456,6 +457,7 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         "optimizers": [type(o).__name__ for o in trainer.optimizers],
         "processes": world_size(),
         "fsdp": bool(cfg.fsdp and world_size() > 1),
+        "graph_step": cfg.graph_step,
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds
         else None,

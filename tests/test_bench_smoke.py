@@ -316,7 +316,7 @@ def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) ->
     }  # fmt: skip
     a = SimpleNamespace(
         smoke=False, gpus=gpus, storage="fp8", jobs_per_gpu=2, compile="true", until="extract",
-        epochs=1, graph_step=False,
+        epochs=1, graph_step="auto",
     )  # fmt: skip
     workflow_gpu_module().report(result, a)
     return capsys.readouterr().out.splitlines()

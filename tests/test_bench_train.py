@@ -391,3 +391,27 @@ def test_the_graphed_default_recipe_takes_its_own_keys_beside_the_eager_ones(ben
     graph = bench.VARIANTS["ours_muon_ffd_graph"]
     assert graph.experiment
     assert bench.dataclasses.replace(graph, graph_step=False) == bench.VARIANTS["ours_muon_ffd"]
+
+
+def test_the_graphed_adamw_step_pairs_with_speculators_best_under_graph_step_keys(bench):
+    """ours_ffd_graph (the train job's step on one GPU) against speculators' best setting of
+    the call: graph_step.speedup_vs_speculators and its median run's graph_step.tokens_per_s,
+    beside ours_ffd's #16 keys, which keep the eager step's figures."""
+    results = []
+    for k in range(3):
+        results += [
+            run("ours_ffd", [50000, 48000, 52000][k], 0.001)
+            | {"loss_curve": None, "window_fill": 0.94},
+            run("ours_ffd_graph", [52000, 53000, 54000][k], [0.002, 0.004, 0.003][k])
+            | {"loss_curve": None},
+            run("speculators_w0", [26000, 25000, 27000][k]),
+            run("speculators_w12", 20000),
+        ]
+    summary, lines = bench.summarize(results, "h100")
+    assert summary["speculators_best"] == "speculators_w0"
+    assert summary["graph_step.speedup_vs_speculators"]["pairs"] == [2.0, 2.12, 2.0]
+    assert "train.h100.graph_step.speedup_vs_speculators = 2.000" in lines
+    assert "train.h100.graph_step.tokens_per_s = 53000" in lines
+    assert "train.h100.graph_step.data_wait_fraction = 0.0040" in lines
+    assert "train.h100.tokens_per_s = 50000" in lines  # ours_ffd's (#16's key), eager
+    assert summary["speedup_vs_speculators"]["pairs"] == [1.923, 1.92, 1.926]

@@ -111,6 +111,71 @@ def test_train_graph_step_is_refused_where_it_cannot_run(changes, processes, gpu
     assert message in refusal(replace(TrainConfig(), **changes), processes, gpu)
 
 
+@pytest.mark.parametrize(
+    ("setting", "changes", "processes", "gpu", "graphed", "reason"),
+    [
+        ("auto", {}, 1, True, True, "captured into one CUDA graph (train.graph_step: auto)"),
+        ("auto", {"optimizer": "adamw"}, 1, True, True, "graph (train.graph_step: auto)"),
+        (
+            "auto",
+            {},
+            1,
+            False,
+            False,
+            "eagerly (train.graph_step: auto; a graphed step: it needs a GPU",
+        ),
+        ("auto", {}, 2, True, False, "a graphed step: it runs on one GPU only"),
+        ("auto", {"packing": "multipack"}, 1, True, False, "it needs batches of one shape"),
+        ("auto", {"newton_schulz": "standard"}, 1, True, False, "train.newton_schulz: gram"),
+        (True, {}, 1, True, True, "captured into one CUDA graph (train.graph_step: true)"),
+        (False, {}, 1, True, False, "the step run eagerly (train.graph_step: false)"),
+        (False, {}, 1, False, False, "the step run eagerly (train.graph_step: false)"),
+    ],
+)
+def test_graph_step_auto_graphs_where_it_can_run_and_says_why_not(
+    setting, changes, processes, gpu, graphed, reason
+):
+    from dataclasses import replace
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.graphed_step import decide
+
+    assert TrainConfig().graph_step == "auto"  # the default
+    cfg = replace(TrainConfig(), graph_step=setting, **changes)
+    got, why = decide(cfg, processes, gpu)
+    assert got is graphed and reason in why, why
+    if setting == "auto":  # speculators' own Trainer (trainer_class) steps eagerly
+        got, why = decide(cfg, processes, gpu, streaming=False)
+        assert got is False and "needs eagle3lib's StreamingTrainer" in why, why
+
+
+@pytest.mark.parametrize(("processes", "gpu"), [(1, False), (2, True)])
+def test_graph_step_true_where_it_cannot_run_is_an_error_naming_the_key(processes, gpu):
+    from dataclasses import replace
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.graphed_step import decide
+
+    with pytest.raises(
+        UserError, match=r"^train.graph_step: true, but it (needs a GPU|runs on one)"
+    ):
+        decide(replace(TrainConfig(), graph_step=True), processes, gpu)
+
+
+def test_the_train_job_with_graph_step_auto_runs_eagerly_on_a_cpu_and_says_so(
+    pipeline, tmp_path, capfd
+):
+    """The default on a CPU trains (the eager step) and its log line names the key and why."""
+    from conftest import train_pipeline
+
+    stats = train_pipeline(pipeline, tmp_path / "s", epochs=1, max_steps=2, graph_step="auto")
+    assert stats["graph_step"] is False
+    err = capfd.readouterr().err
+    assert (
+        "train: the step run eagerly (train.graph_step: auto; a graphed step: it needs a GPU" in err
+    ), err
+
+
 def test_the_train_job_refuses_graph_step_on_a_cpu_before_training(pipeline, tmp_path):
     """train.train says why, naming the key, and leaves no state behind."""
     from conftest import train_pipeline

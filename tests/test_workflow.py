@@ -231,19 +231,22 @@ def test_newton_schulz_gram_reruns_nothing_and_standard_reruns_train(ws):
     assert "Nothing to be done" in ws.run("-n")
 
 
-def test_graph_step_off_reruns_nothing_and_on_reruns_train_only(ws):
-    """train.graph_step: false, its default, leaves the train rule's parameters as runs before
-    the key made them; true reruns the train job (and what reads its checkpoint), never the
-    extraction. Dry runs: the results stay as they were."""
+def test_graph_step_auto_reruns_nothing_and_true_or_false_rerun_train_only(ws):
+    """train.graph_step: auto, its default, leaves the train rule's parameters as runs before
+    the key made them; true or false reruns the train job (and what reads its checkpoint),
+    never the extraction. Dry runs: the results stay as they were."""
     stamp = ws.results / "checkpoint" / "provenance-train.json"
     assert "graph_step" not in stamp.read_text()
-    ws.write(train={"graph_step": False})
-    off = ws.run("-n")
+    ws.write(train={"graph_step": "auto"})
+    auto = ws.run("-n")
     ws.write(train={"graph_step": True})
     on = ws.run("-n")
     ws.write(train={"graph_step": False})
-    assert "Nothing to be done" in off and job_counts(off) == {}, off
-    assert "train" in job_counts(on) and "extract" not in job_counts(on), on
+    off = ws.run("-n")
+    ws.write(train={"graph_step": "auto"})
+    assert "Nothing to be done" in auto and job_counts(auto) == {}, auto
+    for run in (on, off):
+        assert "train" in job_counts(run) and "extract" not in job_counts(run), run
     assert "Nothing to be done" in ws.run("-n")
 
 
