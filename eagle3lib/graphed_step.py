@@ -116,7 +116,7 @@ def refusal(cfg, processes: int, gpu: bool, streaming: bool = True) -> str | Non
     if not streaming:
         return "it needs eagle3lib's StreamingTrainer (speculators' Trainer steps eagerly)"
     if not gpu:
-        return "it needs a GPU (set it false on a CPU)"
+        return "it needs a GPU"
     if processes > 1 or cfg.fsdp:
         return "it runs on one GPU only (train.gpus: 1, without DDP or FSDP)"
     if cfg.packing != "ffd":
@@ -136,7 +136,10 @@ def decide(cfg, processes: int, gpu: bool, streaming: bool = True) -> tuple[bool
     why = refusal(cfg, processes, gpu, streaming)
     if cfg.graph_step is True:
         if why is not None:
-            raise UserError(f"train.graph_step: true, but {why}")
+            raise UserError(
+                f"train.graph_step: true, but {why}; set it to auto (graphed where it can "
+                "run) or false"
+            )
         return True, "the step captured into one CUDA graph (train.graph_step: true)"
     if cfg.graph_step == "auto" and why is None:
         return True, "the step captured into one CUDA graph (train.graph_step: auto)"

@@ -85,8 +85,8 @@ def test_train_smoke(tmp_path):
     assert summary["failed"] == [
         {
             "name": "ours_ffd_graph",
-            "error": "UserError: train.graph_step: true, but it needs a GPU (set it false on a "
-            "CPU)",
+            "error": "UserError: train.graph_step: true, but it needs a GPU; set it to auto "
+            "(graphed where it can run) or false",
         }
     ]
     assert all(r["num_layers"] == 2 and r["tokens_per_s"] > 0 for r in results)

@@ -157,7 +157,9 @@ def test_graph_step_true_where_it_cannot_run_is_an_error_naming_the_key(processe
     from eagle3lib.graphed_step import decide
 
     with pytest.raises(
-        UserError, match=r"^train.graph_step: true, but it (needs a GPU|runs on one)"
+        UserError,
+        match=r"^train.graph_step: true, but it (needs a GPU|runs on one GPU only \(.*\)); "
+        r"set it to auto \(graphed where it can run\) or false$",
     ):
         decide(replace(TrainConfig(), graph_step=True), processes, gpu)
 
@@ -172,7 +174,8 @@ def test_the_train_job_with_graph_step_auto_runs_eagerly_on_a_cpu_and_says_so(
     assert stats["graph_step"] is False
     err = capfd.readouterr().err
     assert (
-        "train: the step run eagerly (train.graph_step: auto; a graphed step: it needs a GPU" in err
+        "train: the step run eagerly (train.graph_step: auto; a graphed step: it needs a GPU)\n"
+        in err
     ), err
 
 
