@@ -180,8 +180,9 @@ start more slowly):
      train.graph_step (bench/workflow_gpu.py --graph-step): bench/queues/train-graph-muon.txt
      (run on an H100 on 2026-12-05, seventh session, but for the workflow's train job).
   8. one GPU, about 25 min: with train.graph_step: auto, the train job's default since the
-     seventh session, the workflow at its default over 2 epochs, two eager AdamW runs' 50
-     losses beside the graphed one's, then #16's item 1 with the graphed steps (AdamW
+     seventh session, the workflow at its default over 2 epochs, two eager and two graphed
+     AdamW runs' 50 losses (--repeat 2: ours_ffd.repeat, the yardstick for graph_step's
+     0.0087), then #16's item 1 with the graphed steps (AdamW
      against speculators at 0, 4 and 12 workers, the default recipe against its CLI
      defaults, 3 pairs): bench/queues/train-auto.txt.
 """
@@ -1039,7 +1040,8 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     - ours_muon_ffd_cg and ours_muon_ffd_cppwrap against ours_muon_ffd: tokens/s per pair,
       and where the runs logged their losses (--log-every), the largest relative difference
       between the losses of each pair's runs (the same batches, the same kernels launched
-      otherwise)."""
+      otherwise), and with --repeat between a variant's later runs and its first
+      (``<variant>.repeat``: ours_ffd, ours_muon_ffd and their graphed steps)."""
     summary: dict = {}
     lines: list[str] = []
 
@@ -1071,6 +1073,19 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
         if differences:
             summary[key]["max_loss_relative_difference"] = max(differences)
             lines.append(f"train.{tag}.{key}.max_loss_relative_difference = {max(differences):.5f}")
+
+    def repeat_drift(name: str) -> None:
+        from eagle3lib.train import max_relative_difference
+
+        curves = [
+            r["loss_curve"]["train_loss"]
+            for r in results
+            if r["name"] == name and r.get("loss_curve")
+        ]
+        if len(curves) >= 2:
+            drift = max(max_relative_difference(curves[0], c) for c in curves[1:])
+            summary[f"{name}.repeat"] = {"runs": len(curves), "max_loss_relative_difference": drift}
+            lines.append(f"train.{tag}.{name}.repeat.max_loss_relative_difference = {drift:.5f}")
 
     # AdamW with each packing, and ffd's step graphed (the train job's default on one GPU
     # since 2026-12-05: graph_step.* keys beside the eager step's): its median run
@@ -1124,6 +1139,10 @@ def summarize(results: list[dict], tag: str) -> tuple[dict, list[str]]:
     comparison(
         "graph_step.muon.speedup_vs_speculators_cli", "ours_muon_ffd_graph", "speculators_cli"
     )
+    # with --log-every and --repeat: how far two runs of one variant drift apart (the yardstick
+    # for graph_step's losses against the eager step's)
+    for name in ("ours_ffd", "ours_ffd_graph", "ours_muon_ffd", "ours_muon_ffd_graph"):
+        repeat_drift(name)
     for quiet in CONTENDED:  # busy processes beside it
         contended = median_of(results, quiet + CONTEND)
         if contended is None:

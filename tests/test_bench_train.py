@@ -415,3 +415,23 @@ def test_the_graphed_adamw_step_pairs_with_speculators_best_under_graph_step_key
     assert "train.h100.graph_step.data_wait_fraction = 0.0040" in lines
     assert "train.h100.tokens_per_s = 50000" in lines  # ours_ffd's (#16's key), eager
     assert summary["speedup_vs_speculators"]["pairs"] == [1.923, 1.92, 1.926]
+
+
+def test_repeated_runs_of_a_step_report_how_far_their_losses_drift_apart(bench):
+    """With --log-every and --repeat, each of ours_ffd's and ours_ffd_graph's later runs is
+    compared with its first (the yardstick for the graphed step against the eager one); a
+    variant with one logged run, or none, reports nothing."""
+    results = []
+    for k in range(3):
+        results += [
+            run("ours_ffd", 50000)
+            | {"loss_curve": {"train_loss": [4.0, [2.0, 2.02, 1.99][k]]}, "window_fill": 0.94},
+            run("ours_ffd_graph", 52000) | {"loss_curve": {"train_loss": [4.0, 2.0]}},
+            run("ours_muon_ffd", 26000) | {"loss_curve": None if k else {"train_loss": [5.0]}},
+        ]
+    summary, lines = bench.summarize(results, "h100")
+    assert summary["ours_ffd.repeat"]["runs"] == 3
+    assert summary["ours_ffd.repeat"]["max_loss_relative_difference"] == pytest.approx(0.01)
+    assert "train.h100.ours_ffd.repeat.max_loss_relative_difference = 0.01000" in lines
+    assert summary["ours_ffd_graph.repeat"]["max_loss_relative_difference"] == 0.0
+    assert "ours_muon_ffd.repeat" not in summary
