@@ -129,10 +129,28 @@ def refusal(cfg, processes: int, gpu: bool, streaming: bool = True) -> str | Non
     return None
 
 
-def decide(cfg, processes: int, gpu: bool, streaming: bool = True) -> tuple[bool, str]:
+# the draft's attention and loss (train.resolve_runtime) the graphed step was measured with
+MEASURED = {"attention": "simple_flex_attention", "loss": "eager"}
+
+
+def unmeasured(runtime: dict[str, Any]) -> str | None:
+    """Why auto leaves the step eager with ``runtime``'s attention and loss (their resolved
+    values), or None: the graphed step was timed and its losses compared with ``MEASURED``'s
+    only (true still captures the others)."""
+    other = {k: runtime[k] for k, v in MEASURED.items() if runtime[k] != v}
+    if not other:
+        return None
+    names = " and ".join(f"train.{k} {v}" for k, v in other.items())
+    return f"not yet run with {names} (set it true to try)"
+
+
+def decide(
+    cfg, processes: int, gpu: bool, streaming: bool = True, runtime: dict[str, Any] | None = None
+) -> tuple[bool, str]:
     """Whether the train job captures its step (``train.graph_step``: true, false or auto),
-    with the reason for its log. auto graphs where ``refusal`` finds nothing against it and
-    runs the eager step elsewhere; true where it cannot run is a UserError naming the key."""
+    with the reason for its log. auto graphs where neither ``refusal`` nor, given the resolved
+    ``runtime``, ``unmeasured`` finds anything against it, and runs the eager step elsewhere;
+    true where it cannot run is a UserError naming the key."""
     why = refusal(cfg, processes, gpu, streaming)
     if cfg.graph_step is True:
         if why is not None:
@@ -141,6 +159,8 @@ def decide(cfg, processes: int, gpu: bool, streaming: bool = True) -> tuple[bool
                 "run) or false"
             )
         return True, "the step captured into one CUDA graph (train.graph_step: true)"
+    if cfg.graph_step == "auto" and why is None and runtime is not None:
+        why = unmeasured(runtime)
     if cfg.graph_step == "auto" and why is None:
         return True, "the step captured into one CUDA graph (train.graph_step: auto)"
     if cfg.graph_step == "auto":

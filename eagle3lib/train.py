@@ -370,7 +370,11 @@ def train(
     rank = setup_distributed()
     trainer_class = with_newton_schulz(trainer_class or StreamingTrainer, cfg.newton_schulz)
     graphed, graph_reason = decide_graph_step(
-        cfg, world_size(), torch.cuda.is_available(), issubclass(trainer_class, StreamingTrainer)
+        cfg,
+        world_size(),
+        torch.cuda.is_available(),
+        issubclass(trainer_class, StreamingTrainer),
+        runtime,
     )
     cfg = dataclasses.replace(cfg, graph_step=graphed)  # a bool from here on
     if rank == 0:

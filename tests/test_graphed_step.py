@@ -144,9 +144,38 @@ def test_graph_step_auto_graphs_where_it_can_run_and_says_why_not(
     cfg = replace(TrainConfig(), graph_step=setting, **changes)
     got, why = decide(cfg, processes, gpu)
     assert got is graphed and reason in why, why
+    measured = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None}
+    assert decide(cfg, processes, gpu, runtime=measured) == (graphed, why)
     if setting == "auto":  # speculators' own Trainer (trainer_class) steps eagerly
         got, why = decide(cfg, processes, gpu, streaming=False)
         assert got is False and "needs eagle3lib's StreamingTrainer" in why, why
+
+
+@pytest.mark.parametrize(
+    ("runtime", "reason"),
+    [
+        ({"loss": "fused"}, "not yet run with train.loss fused (set it true to try)"),
+        ({"attention": "sdpa"}, "not yet run with train.attention sdpa (set it true to try)"),
+        (
+            {"attention": "eager", "loss": "fused"},
+            "not yet run with train.attention eager and train.loss fused (set it true to try)",
+        ),
+    ],
+)
+def test_graph_step_auto_keeps_the_step_eager_with_an_attention_or_loss_not_yet_measured(
+    runtime, reason
+):
+    """auto graphs only what was timed and compared on a GPU (flex attention, the eager loss);
+    true still captures the others."""
+    from dataclasses import replace
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.graphed_step import decide
+
+    resolved = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None} | runtime
+    got, why = decide(TrainConfig(), 1, True, runtime=resolved)
+    assert got is False and why.endswith(f"a graphed step: {reason})"), why
+    assert decide(replace(TrainConfig(), graph_step=True), 1, True, runtime=resolved)[0] is True
 
 
 @pytest.mark.parametrize(("processes", "gpu"), [(1, False), (2, True)])
