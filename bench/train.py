@@ -177,7 +177,7 @@ start more slowly):
      against speculators' CLI defaults, and AdamW's graphed step again with the bound on
      steps in flight (data wait), speculators' Muon against the train job's over 50 losses
      (--same-training-optimizer muon), and the workflow's own train job with
-     train.graph_step (bench/workflow_gpu.py --graph-step): bench/queues/train-graph-muon.txt
+     train.graph_step (bench/workflow_gpu.py --graph-step true): bench/queues/train-graph-muon.txt
      (run on an H100 on 2026-12-05, seventh session, but for the workflow's train job).
   8. one GPU, about 25 min: with train.graph_step: auto, the train job's default since the
      seventh session, the workflow at its default over 2 epochs, two eager and two graphed

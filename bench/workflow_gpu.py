@@ -334,7 +334,8 @@ def collect(run_dir: Path) -> dict:
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests parse the device queues' lines with it)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -380,7 +381,11 @@ def main() -> None:
         action="store_true",
         help="keep a verifier already built in --verifier-dir (an earlier call on this machine)",
     )
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     a.shards = a.shards or 2 * max(a.gpus, 1)
     a.work.mkdir(parents=True, exist_ok=True)
     info = machine(a.work)

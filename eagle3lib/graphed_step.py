@@ -1,6 +1,7 @@
 """The training step captured once into a CUDA graph and replayed every step after.
 
-``train.graph_step`` (off by default; ``bench/train.py``'s ``*_graph`` variants time it): on
+``train.graph_step`` (``auto``, the default, captures the step where ``decide`` finds it can
+run and it was measured; ``bench/train.py``'s ``*_graph`` variants time it): on
 an H100 beside 12 busy processes the host's launches of a step took up to 3.1 times as long
 and the GPU waited for them (BENCHMARKS.md, "The train job's threads on an H100"). Replaying a
 captured graph launches the whole step (forward under autocast, backward, gradient clipping,
@@ -19,10 +20,11 @@ The first ``eager_steps`` steps run as ``StreamingTrainer`` runs them (compiling
 the optimiser's state), but on a side stream and with autocast's cast cache off, as inside
 the graph, so nothing compiles during the capture.
 
-Measured with AdamW on an H100 (BENCHMARKS.md, "The step captured into one CUDA graph"): the
-graphed run's 50 losses within 0.0087 (relative) of the eager run's, and beside 12 busy
-processes it kept 0.995-0.998 of its quiet pace where the eager step kept 0.654-0.825.
-Muon's capture (``BatchedMuon`` with a rate tensor) is not yet run on a GPU."""
+Measured on an H100 (BENCHMARKS.md, "The step captured into one CUDA graph" and "The default
+recipe's step captured into one CUDA graph"): with AdamW the graphed run's 50 losses within
+0.0087 (relative) of the eager run's, and beside 12 busy processes it kept 0.995-0.998 of its
+quiet pace where the eager step kept 0.654-0.825; with Muon (``BatchedMuon`` with a rate
+tensor, the default recipe) within 0.00004, and 0.996-1.001 of its quiet pace."""
 
 from __future__ import annotations
 
@@ -111,10 +113,14 @@ def plain_rates(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def refusal(cfg, processes: int, gpu: bool, streaming: bool = True) -> str | None:
     """Why ``train.graph_step`` cannot run with train config ``cfg`` over ``processes``
-    processes (``gpu``: one is there; ``streaming``: the trainer is StreamingTrainer), or
+    processes (``gpu``: one is there; ``streaming``: the trainer is StreamingTrainer with
+    ``sync_free`` metrics), or
     None: said before the run starts, not at the capture a few steps in."""
     if not streaming:
-        return "it needs eagle3lib's StreamingTrainer (speculators' Trainer steps eagerly)"
+        return (
+            "it needs eagle3lib's StreamingTrainer with its sync-free metrics (speculators' "
+            "Trainer steps eagerly)"
+        )
     if not gpu:
         return "it needs a GPU"
     if processes > 1 or cfg.fsdp:
@@ -145,12 +151,15 @@ def unmeasured(runtime: dict[str, Any]) -> str | None:
 
 
 def decide(
-    cfg, processes: int, gpu: bool, streaming: bool = True, runtime: dict[str, Any] | None = None
+    cfg, processes: int, gpu: bool, streaming: bool, runtime: dict[str, Any]
 ) -> tuple[bool, str]:
     """Whether the train job captures its step (``train.graph_step``: true, false or auto),
-    with the reason for its log. auto graphs where neither ``refusal`` nor, given the resolved
-    ``runtime``, ``unmeasured`` finds anything against it, and runs the eager step elsewhere;
-    true where it cannot run is a UserError naming the key."""
+    with the reason for its log. auto graphs where neither ``refusal`` nor ``unmeasured``
+    (``runtime``: the resolved attention and loss) finds anything against it, and runs the
+    eager step elsewhere; true where it cannot run, or another value, is a UserError naming
+    the key."""
+    if not (isinstance(cfg.graph_step, bool) or cfg.graph_step == "auto"):
+        raise UserError(f"train.graph_step: {cfg.graph_step!r}; use auto, true or false")
     why = refusal(cfg, processes, gpu, streaming)
     if cfg.graph_step is True:
         if why is not None:
@@ -159,7 +168,7 @@ def decide(
                 "run) or false"
             )
         return True, "the step captured into one CUDA graph (train.graph_step: true)"
-    if cfg.graph_step == "auto" and why is None and runtime is not None:
+    if cfg.graph_step == "auto" and why is None:
         why = unmeasured(runtime)
     if cfg.graph_step == "auto" and why is None:
         return True, "the step captured into one CUDA graph (train.graph_step: auto)"

@@ -373,7 +373,8 @@ def train(
         cfg,
         world_size(),
         torch.cuda.is_available(),
-        issubclass(trainer_class, StreamingTrainer),
+        # speculators' own Trainer, and a subclass with its metrics' host syncs, step eagerly
+        issubclass(trainer_class, StreamingTrainer) and trainer_class.sync_free,
         runtime,
     )
     cfg = dataclasses.replace(cfg, graph_step=graphed)  # a bool from here on

@@ -303,14 +303,24 @@ def test_every_queued_train_command_parses_and_names_known_variants(bench, capsy
     device call is spent on a typo. A misspelt variant is refused."""
     import shlex
 
-    commands = []
+    commands, workflow = [], []
     for queue in sorted((ROOT / "bench" / "queues").glob("*.txt")):
         for line in queue.read_text().splitlines():
             if line.strip() and not line.startswith("#"):
                 words = shlex.split(line)
                 if "bench/train.py" in words:
                     commands.append(words[words.index("bench/train.py") + 1 :])
-    assert len(commands) >= 10
+                if "bench/workflow_gpu.py" in words:
+                    workflow.append(words[words.index("bench/workflow_gpu.py") + 1 :])
+    assert len(commands) >= 10 and len(workflow) >= 2
+    spec = importlib.util.spec_from_file_location("workflow_gpu", ROOT / "bench/workflow_gpu.py")
+    workflow_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workflow_gpu)
+    for argv in workflow:  # bench/workflow_gpu.py's lines parse too
+        assert workflow_gpu.parser().parse_args(argv).run
+    with pytest.raises(SystemExit):
+        workflow_gpu.parser().parse_args(["--graph-step", "--run", "x"])  # needs a value
+    capsys.readouterr()
     for argv in commands:
         args, names = bench.parse_args(argv)
         assert args.out.startswith("/tmp/o/") and len(names) == len(set(names)) * args.repeat

@@ -142,13 +142,26 @@ def test_graph_step_auto_graphs_where_it_can_run_and_says_why_not(
 
     assert TrainConfig().graph_step == "auto"  # the default
     cfg = replace(TrainConfig(), graph_step=setting, **changes)
-    got, why = decide(cfg, processes, gpu)
+    got, why = decide(cfg, processes, gpu, True, MEASURED)
     assert got is graphed and reason in why, why
-    measured = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None}
-    assert decide(cfg, processes, gpu, runtime=measured) == (graphed, why)
     if setting == "auto":  # speculators' own Trainer (trainer_class) steps eagerly
-        got, why = decide(cfg, processes, gpu, streaming=False)
+        got, why = decide(cfg, processes, gpu, False, MEASURED)
         assert got is False and "needs eagle3lib's StreamingTrainer" in why, why
+
+
+# what resolve_runtime gives on a GPU with torch < 2.13 (the graphed step's measured setting)
+MEASURED = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None}
+
+
+@pytest.mark.parametrize("value", ["true", "yes", 1, 0, None, "Auto"])
+def test_a_graph_step_value_other_than_auto_true_or_false_is_an_error_naming_it(value):
+    from dataclasses import replace
+
+    from eagle3lib.config import TrainConfig
+    from eagle3lib.graphed_step import decide
+
+    with pytest.raises(UserError, match=r"^train.graph_step: .*; use auto, true or false$"):
+        decide(replace(TrainConfig(), graph_step=value), 1, True, True, MEASURED)
 
 
 @pytest.mark.parametrize(
@@ -172,10 +185,10 @@ def test_graph_step_auto_keeps_the_step_eager_with_an_attention_or_loss_not_yet_
     from eagle3lib.config import TrainConfig
     from eagle3lib.graphed_step import decide
 
-    resolved = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None} | runtime
-    got, why = decide(TrainConfig(), 1, True, runtime=resolved)
+    resolved = MEASURED | runtime
+    got, why = decide(TrainConfig(), 1, True, True, resolved)
     assert got is False and why.endswith(f"a graphed step: {reason})"), why
-    assert decide(replace(TrainConfig(), graph_step=True), 1, True, runtime=resolved)[0] is True
+    assert decide(replace(TrainConfig(), graph_step=True), 1, True, True, resolved)[0] is True
 
 
 @pytest.mark.parametrize(("processes", "gpu"), [(1, False), (2, True)])
@@ -190,7 +203,7 @@ def test_graph_step_true_where_it_cannot_run_is_an_error_naming_the_key(processe
         match=r"^train.graph_step: true, but it (needs a GPU|runs on one GPU only \(.*\)); "
         r"set it to auto \(graphed where it can run\) or false$",
     ):
-        decide(replace(TrainConfig(), graph_step=True), processes, gpu)
+        decide(replace(TrainConfig(), graph_step=True), processes, gpu, True, MEASURED)
 
 
 def test_the_train_job_with_graph_step_auto_runs_eagerly_on_a_cpu_and_says_so(
@@ -206,6 +219,43 @@ def test_the_train_job_with_graph_step_auto_runs_eagerly_on_a_cpu_and_says_so(
         "train: the step run eagerly (train.graph_step: auto; a graphed step: it needs a GPU)\n"
         in err
     ), err
+
+
+@pytest.mark.parametrize("trainer", ["streaming", "streaming_with_syncs", "speculators"])
+def test_the_train_job_decides_with_its_trainer_and_resolved_runtime(
+    pipeline, tmp_path, monkeypatch, trainer
+):
+    """train.train asks decide with the trainer it runs (StreamingTrainer with sync-free
+    metrics, or not) and the attention and loss it resolved, and hands the trainer the bool
+    decided (never auto). decide is recorded here: on a CPU the real one refuses first."""
+    from conftest import train_pipeline
+    from speculators.train.trainer import Trainer
+
+    from eagle3lib import train
+    from eagle3lib.streaming_trainer import StreamingTrainer
+
+    trainer_class = {
+        "streaming": StreamingTrainer,
+        "streaming_with_syncs": type("Syncs", (StreamingTrainer,), {"sync_free": False}),
+        "speculators": Trainer,
+    }[trainer]
+    asked, given = [], []
+    monkeypatch.setattr(
+        train, "decide_graph_step", lambda *a: asked.append(a) or (False, "recorded")
+    )
+    original = train._run_trainer  # noqa: SLF001
+
+    def run_trainer(cls, model, config, loaders, cfg, *rest):
+        given.append(cfg.graph_step)
+        return original(cls, model, config, loaders, cfg, *rest)
+
+    monkeypatch.setattr(train, "_run_trainer", run_trainer)
+    train_pipeline(pipeline, tmp_path / "s", trainer_class, epochs=1, max_steps=1)
+    ((cfg, processes, gpu, streaming, runtime),) = asked
+    assert cfg.graph_step == "auto" and processes == 1 and gpu is False
+    assert streaming is (trainer == "streaming")
+    assert runtime == train.resolve_runtime(cfg)
+    assert given == [False]
 
 
 def test_the_train_job_refuses_graph_step_on_a_cpu_before_training(pipeline, tmp_path):
