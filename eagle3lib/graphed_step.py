@@ -160,6 +160,8 @@ def decide(
     the key."""
     if not (isinstance(cfg.graph_step, bool) or cfg.graph_step == "auto"):
         raise UserError(f"train.graph_step: {cfg.graph_step!r}; use auto, true or false")
+    if cfg.graph_step is False:
+        return False, "the step run eagerly (train.graph_step: false)"
     why = refusal(cfg, processes, gpu, streaming)
     if cfg.graph_step is True:
         if why is not None:
@@ -168,13 +170,10 @@ def decide(
                 "run) or false"
             )
         return True, "the step captured into one CUDA graph (train.graph_step: true)"
-    if cfg.graph_step == "auto" and why is None:
-        why = unmeasured(runtime)
-    if cfg.graph_step == "auto" and why is None:
+    why = why or unmeasured(runtime)
+    if why is None:
         return True, "the step captured into one CUDA graph (train.graph_step: auto)"
-    if cfg.graph_step == "auto":
-        return False, f"the step run eagerly (train.graph_step: auto; a graphed step: {why})"
-    return False, "the step run eagerly (train.graph_step: false)"
+    return False, f"the step run eagerly (train.graph_step: auto; a graphed step: {why})"
 
 
 # a batch's host-side count that changes from batch to batch: the loop logs the host batch's
