@@ -1425,7 +1425,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--baseline", default=None, help="bench_train.json of a 1-GPU run (DDP efficiency)"
     )
     p.add_argument(
-        "--eager-loss", action="store_true", help="torch 2.11: the fused loss breaks compile"
+        "--eager-loss",
+        action="store_true",
+        help="train.loss eager (auto too since 2026-12-05; before, fused on torch >= 2.13)",
     )
     p.add_argument("--fsdp", action="store_true", help="shard the draft over the ranks (FSDP2)")
     p.add_argument(

@@ -314,6 +314,8 @@ def collect(run_dir: Path) -> dict:
         loop_tokens_per_s=train_tokens / summary["seconds"],
         data_wait_fraction=summary.get("data_wait_fraction"),
         processes=summary.get("processes"),
+        graph_step=summary.get("graph_step"),
+        gpu_memory_peak_bytes=summary.get("gpu_memory_peak_bytes"),
     )
     metrics = [
         json.loads(line)
@@ -485,7 +487,14 @@ def report(result: dict, a) -> None:
             note = (
                 f"{job['tokens']:,} tokens ({a.epochs} epochs); loop {job['loop_seconds']:.1f} s "
                 f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
-                f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %"
+                f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
+                f"step {'graphed' if job['graph_step'] else 'eager'}"
+                + (
+                    f"; peak GPU memory {peak['allocated'] / 2**30:.1f} GiB allocated, "
+                    f"{peak['reserved'] / 2**30:.1f} reserved"
+                    if (peak := job["gpu_memory_peak_bytes"])
+                    else ""
+                )
             )
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
     tag = "cpu" if a.smoke else ("h200" if a.gpus <= 1 else f"{a.gpus}xh200")
@@ -518,6 +527,8 @@ def report(result: dict, a) -> None:
         lines[f"workflow.{tag}.train.steady_tokens_per_s"] = round(
             jobs["train"]["steady_tokens_per_s"] or 0
         )
+        if peak := jobs["train"].get("gpu_memory_peak_bytes"):
+            lines[f"workflow.{tag}.train.peak_reserved_gib"] = round(peak["reserved"] / 2**30, 2)
     bench = result.get("bench_extract")
     # the isolated run's rate to compare with: once compiled, where it compiled (its compiling
     # is a fixed cost of the run, not of the rate a long job or a shared GPU sees)

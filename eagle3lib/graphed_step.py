@@ -17,7 +17,8 @@ the optimiser) with one call, so the host's pace stops mattering. What it needs:
 - one process (no DDP); ``refusal`` names what the train config lacks before a run starts.
 
 The first ``eager_steps`` steps run as ``StreamingTrainer`` runs them (compiling, creating
-the optimiser's state), but on a side stream and with autocast's cast cache off, as inside
+the optimiser's state; ``StreamingTrainer`` makes the optimisers capturable before them, so
+they take the replayed graph's update), but on a side stream and with autocast's cast cache off, as inside
 the graph, so nothing compiles during the capture.
 
 Measured on an H100 (BENCHMARKS.md, "The step captured into one CUDA graph" and "The default
@@ -267,7 +268,7 @@ class GraphedStep:
         return out
 
     def _capture(self, batch: dict[str, Any]) -> None:
-        self.prepare()  # optimisers capturable, gradients None (the graph allocates them)
+        self.prepare()  # gradients None: the graph allocates them
         self.static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         graph = torch.cuda.CUDAGraph()
         failed = None

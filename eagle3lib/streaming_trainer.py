@@ -507,12 +507,12 @@ class StreamingTrainer(Trainer):
         if not self.sync_free:  # speculators' own metrics wait for the GPU inside the step
             raise UserError("graphed step: needs the sync-free loss metrics (sync_free)")
         if self._graphed is None:
-
-            def prepare():
-                capturable_optimizers(self.optimizers, torch.device("cuda", self.local_rank))
-                self._optimizers_zero_grad()
-
-            self._graphed = GraphedStep(self._train_step, prepare)
+            # capturable from the first eager step on, not at the capture: every step of a
+            # run, eager or replayed, fresh or resumed, then takes the same update (a resumed
+            # run's eager steps would otherwise read its rates as numbers where the run it
+            # resumes replayed the graph, and end in other bytes)
+            capturable_optimizers(self.optimizers, torch.device("cuda", self.local_rank))
+            self._graphed = GraphedStep(self._train_step, self._optimizers_zero_grad)
         return self._graphed
 
     # long: speculators' Trainer.train_epoch, kept step for step in its order so it can be compared

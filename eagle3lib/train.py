@@ -89,12 +89,19 @@ def resolve_runtime(cfg) -> dict[str, Any]:
 
         has_triton = True
     if loss == "auto":
-        # speculators' fused loss crashes under torch < 2.13's compiler
-        # (https://github.com/pytorch/pytorch/issues/177600)
-        new_torch = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
-        loss = "fused" if cuda and has_triton and new_torch else "eager"
+        # the eager loss: every GPU figure of this project was measured with it, the graphed
+        # step among them; speculators' fused Triton loss (its own default) was not, since it
+        # crashes under torch < 2.13's compiler (https://github.com/pytorch/pytorch/issues/177600),
+        # the torch of those GPU runs (2.11), older than the 2.13 this workflow installs
+        loss = "eager"
     elif loss == "fused" and not (cuda and has_triton):
         raise UserError("config key train.loss: the fused loss needs a GPU and Triton; use eager")
+    elif loss == "fused" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
+        raise UserError(
+            f"config key train.loss: the fused loss crashes under torch {torch.__version__}'s "
+            "compiler (https://github.com/pytorch/pytorch/issues/177600); use eager, or torch "
+            "2.13 or later"
+        )
     # bf16 autocast on GPU; fp32 on CPU, where torch then turns autocast off.
     dtype = torch.bfloat16 if cuda else torch.float32
     return {"attention": attention, "loss": loss, "dtype": dtype}
@@ -463,6 +470,14 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         "processes": world_size(),
         "fsdp": bool(cfg.fsdp and world_size() > 1),
         "graph_step": cfg.graph_step,
+        # this rank's peak over the run, validation included (a graphed step keeps its
+        # memory reserved for the run, so validation's comes on top of it); None on a CPU
+        "gpu_memory_peak_bytes": {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+        }
+        if torch.cuda.is_available()
+        else None,
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds
         else None,

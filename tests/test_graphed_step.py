@@ -149,7 +149,7 @@ def test_graph_step_auto_graphs_where_it_can_run_and_says_why_not(
         assert got is False and "needs eagle3lib's StreamingTrainer" in why, why
 
 
-# what resolve_runtime gives on a GPU with torch < 2.13 (the graphed step's measured setting)
+# what resolve_runtime gives on a GPU by default (the graphed step's measured setting)
 MEASURED = {"attention": "simple_flex_attention", "loss": "eager", "dtype": None}
 
 
@@ -339,3 +339,28 @@ def test_a_graphed_runs_checkpoint_saves_its_rates_as_numbers(monkeypatch):
     assert opt.param_groups[0]["lr"] is rate
     sched.step()
     assert rate.item() == pytest.approx(0.5 / 3)
+
+
+def test_a_graphed_runs_optimisers_are_capturable_from_its_first_eager_step(monkeypatch):
+    """StreamingTrainer makes its optimisers capturable when it builds the GraphedStep, before
+    that step's eager calls, not at the capture: the eager steps before the capture (and a
+    resumed run's, whose loaded state plain_rates made eager) take the update the replayed
+    graph takes. The capture's own preparation only sets the gradients to None. On a CPU
+    the CUDA device is faked and capturable_optimizers recorded."""
+    from eagle3lib import graphed_step
+    from eagle3lib.streaming_trainer import StreamingTrainer
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([weight], lr=0.5)
+    trainer = StreamingTrainer.__new__(StreamingTrainer)  # only what _graphed_step reads
+    trainer.optimizers, trainer.local_rank, trainer.is_distributed = [opt], 0, False
+    trainer._graphed = None  # noqa: SLF001
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(graphed_step, "capturable_optimizers", lambda o, d: made.append((o, d)))
+    step = trainer._graphed_step()  # noqa: SLF001
+    assert made == [([opt], torch.device("cuda", 0))] and step.calls == 0
+    assert trainer._graphed_step() is step and len(made) == 1  # noqa: SLF001 - kept
+    weight.grad = torch.ones(2)
+    step.prepare()
+    assert weight.grad is None and len(made) == 1

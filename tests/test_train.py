@@ -18,6 +18,7 @@ def test_training_runs_and_records_loss_curves(pipeline):
     stats = pipeline["stats"]
     assert stats["device"] == "cpu" and stats["attention"] == "sdpa"
     assert stats["loss_implementation"] == "eager" and stats["dtype"] == "float32"
+    assert stats["gpu_memory_peak_bytes"] is None  # a GPU's peak, on a CPU none
     assert stats["train_samples"] + stats["val_samples"] == 40
     metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
     curves = train.loss_curves(metrics)
@@ -289,6 +290,43 @@ def test_flex_attention_on_cpu_is_refused():
 
     with pytest.raises(UserError, match="flex attention has no backward pass on CPU"):
         train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))
+
+
+@pytest.fixture
+def gpu_with_triton(monkeypatch):
+    """resolve_runtime's view of a GPU machine with Triton, at the torch version given (only
+    what it reads is faked: torch.cuda.is_available, an importable triton, torch.__version__)."""
+    import sys
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    return lambda version: monkeypatch.setattr(torch, "__version__", version)
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cu130", "2.14.1"])
+def test_train_loss_auto_is_the_eager_loss_on_a_gpu_at_any_torch(gpu_with_triton, version):
+    """auto is the loss every GPU figure was measured with (and the graphed step's), not
+    speculators' fused loss, also with the torch 2.13 the workflow installs."""
+    from eagle3lib.config import TrainConfig
+
+    gpu_with_triton(version)
+    runtime = train.resolve_runtime(TrainConfig())
+    assert (runtime["loss"], runtime["attention"]) == ("eager", "simple_flex_attention")
+
+
+def test_the_fused_loss_is_refused_under_torch_before_2_13_and_taken_from_it_on(gpu_with_triton):
+    from eagle3lib.config import TrainConfig
+
+    gpu_with_triton("2.11.0+cu130")
+    with pytest.raises(UserError) as refused:
+        train.resolve_runtime(TrainConfig(loss="fused"))
+    assert str(refused.value) == (
+        "config key train.loss: the fused loss crashes under torch 2.11.0+cu130's compiler "
+        "(https://github.com/pytorch/pytorch/issues/177600); use eager, or torch 2.13 or later"
+    )
+    gpu_with_triton("2.13.0+cu130")
+    assert train.resolve_runtime(TrainConfig(loss="fused"))["loss"] == "fused"
 
 
 class SkipsOneBatch(streaming_trainer.StreamingTrainer):
