@@ -488,7 +488,7 @@ def report(result: dict, a) -> None:
                 f"{job['tokens']:,} tokens ({a.epochs} epochs); loop {job['loop_seconds']:.1f} s "
                 f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
                 f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
-                f"step {'graphed' if job['graph_step'] else 'eager'}"
+                f"step {({True: 'graphed', False: 'eager'}).get(job['graph_step'], '?')}"
                 + (
                     f"; peak GPU memory {peak['allocated'] / 2**30:.1f} GiB allocated, "
                     f"{peak['reserved'] / 2**30:.1f} reserved"

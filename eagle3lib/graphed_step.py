@@ -18,11 +18,12 @@ the optimiser) with one call, so the host's pace stops mattering. What it needs:
 
 The first ``eager_steps`` steps run as ``StreamingTrainer`` runs them (compiling, creating
 the optimiser's state; ``StreamingTrainer`` makes the optimisers capturable before them, so
-they take the replayed graph's update), but on a side stream and with autocast's cast cache off, as inside
-the graph, so nothing compiles during the capture.
+they take the replayed graph's update), but on a side stream and with autocast's cast cache
+off, as inside the graph, so nothing compiles during the capture.
 
 Measured on an H100 (BENCHMARKS.md, "The step captured into one CUDA graph" and "The default
-recipe's step captured into one CUDA graph"): with AdamW the graphed run's 50 losses within
+recipe's step captured into one CUDA graph"; before the optimisers were made capturable
+from the first step, 2026-12-05): with AdamW the graphed run's 50 losses within
 0.0087 (relative) of the eager run's, and beside 12 busy processes it kept 0.995-0.998 of its
 quiet pace where the eager step kept 0.654-0.825; with Muon (``BatchedMuon`` with a rate
 tensor, the default recipe) within 0.00004, and 0.996-1.001 of its quiet pace."""

@@ -293,17 +293,20 @@ def workflow_gpu_module():
     return module
 
 
+# an extract job's figures as workflow_gpu.collect gives them: 1.8 M tokens at 24,000 tokens/s
+EXTRACT_JOB = {
+    "tokens": 1_800_000, "tokens_per_s": 24_000.0, "wall_seconds": 75.0,
+    "model_load_seconds": 6.0, "extraction_seconds": 46.0, "extraction_tokens_per_s": 39_130.0,
+    "write_seconds": 1.0, "hash_seconds": 1.0, "stall_seconds": 0.0, "phases": {},
+}  # fmt: skip
+
+
 def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) -> list[str]:
     """The key lines workflow_gpu.report prints for two compiled fp8 extract jobs sharing one
     H200 (jobs of 1.8 M tokens, 24,000 and 20,000 tokens/s), given the stage's figures."""
     from types import SimpleNamespace
 
-    job = {
-        "tokens": 1_800_000, "tokens_per_s": 24_000.0, "wall_seconds": 75.0,
-        "model_load_seconds": 6.0, "extraction_seconds": 46.0,
-        "extraction_tokens_per_s": 39_130.0, "write_seconds": 1.0, "hash_seconds": 1.0,
-        "stall_seconds": 0.0, "phases": {},
-    }  # fmt: skip
+    job = EXTRACT_JOB
     jobs = {"extract-0": job, "extract-1": dict(job, tokens_per_s=20_000.0)}
     result = {
         "wall_seconds": 200.0,
@@ -323,6 +326,49 @@ def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) ->
 
 
 SHARED_FP8 = "workflow.h200.extract.fp8.shared2.compiled"
+
+
+@pytest.mark.parametrize(
+    ("graphed", "peak", "note", "key"),
+    [
+        (True, {"allocated": 12 * 2**30, "reserved": 20.5 * 2**30},
+         "step graphed; peak GPU memory 12.0 GiB allocated, 20.5 reserved |",
+         "workflow.h200.train.peak_reserved_gib = 20.5"),
+        (False, None, "step eager |", None),  # a CPU's summary: no peak
+        (None, None, "step ? |", None),  # a summary written before graph_step was recorded
+    ],
+)  # fmt: skip
+def test_workflow_gpu_reports_the_train_jobs_step_and_peak_memory(capsys, graphed, peak, note,
+                                                                   key):  # fmt: skip
+    """The train job's row says whether its step was graphed and its GPU's peak memory (the
+    summary's gpu_memory_peak_bytes, in GiB), and a key gives the reserved peak."""
+    from types import SimpleNamespace
+
+    train = {
+        "tokens": 2_000_000, "tokens_per_s": 10_000.0, "wall_seconds": 200.0,
+        "model_load_seconds": None, "loop_seconds": 150.0, "loop_tokens_per_s": 13_333.0,
+        "steady_tokens_per_s": 20_000.0, "data_wait_fraction": 0.001,
+        "graph_step": graphed, "gpu_memory_peak_bytes": peak,
+    }  # fmt: skip
+    result = {
+        "wall_seconds": 400.0,
+        "workflow": {
+            "jobs": {"extract-0": EXTRACT_JOB, "train": train},
+            "extract_tokens": 1_800_000,
+            "extract_window_seconds": 80.0,
+        },
+        "bench_extract": None,
+    }
+    a = SimpleNamespace(
+        smoke=False, gpus=1, storage="bf16", jobs_per_gpu=1, compile="false", until=None,
+        epochs=2, graph_step="auto",
+    )  # fmt: skip
+    workflow_gpu_module().report(result, a)
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("| train |")]
+    assert row.endswith(note), row
+    peaks = [line for line in out.splitlines() if ".peak_reserved_gib = " in line]
+    assert peaks == ([key] if key else []), peaks
 
 
 def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
