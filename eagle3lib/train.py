@@ -9,7 +9,6 @@ CPU-only machine and for exact resumption, is in ``speculators_compat``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -65,6 +64,14 @@ class MetricsRecorder(logging.Handler):
         super().close()
 
 
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_runtime(cfg) -> dict[str, Any]:
     """Attention, loss implementation and dtype for this machine."""
     cuda = torch.cuda.is_available()
@@ -83,18 +90,13 @@ def resolve_runtime(cfg) -> dict[str, Any]:
             f"{(cfg.total_seq_len // 128 + 1) * 128}"
         )
     loss = cfg.loss
-    has_triton = False
-    with contextlib.suppress(ImportError):
-        import triton  # noqa: F401
-
-        has_triton = True
     if loss == "auto":
         # the eager loss: every GPU figure of this project was measured with it, the graphed
         # step among them; speculators' fused Triton loss (its own default) was not, since it
         # crashes under torch < 2.13's compiler (https://github.com/pytorch/pytorch/issues/177600),
         # the torch of those GPU runs (2.11), older than the 2.13 this workflow installs
         loss = "eager"
-    elif loss == "fused" and not (cuda and has_triton):
+    elif loss == "fused" and not (cuda and _has_triton()):
         raise UserError("config key train.loss: the fused loss needs a GPU and Triton; use eager")
     elif loss == "fused" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
         raise UserError(
