@@ -13,7 +13,8 @@
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
-# does not stop the rest. collect takes the bench_*.json files of the folder after --out.
+# does not stop the rest. collect takes the bench_*.json files of the folder after --out; the
+# rest of what a command wrote (verifiers, shards, training state) is deleted after it.
 # A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
 set -euo pipefail
 Q=/tmp/gpuq
@@ -51,6 +52,10 @@ run) # the background part of start
     bash -c "$command" >"$Q/$name.log" 2>&1 || rc=$?
     echo "$rc" >"$Q/$name.rc"
     date +%s >"$Q/$name.end"
+    # the disk for the next command (one 8B-shape verifier and its shards fill most of a 64 GiB
+    # disk): only what collect takes is kept, the bench_*.json files and the logs
+    find /tmp/o -type f ! -name 'bench_*.json' -delete 2>/dev/null || true
+    rm -rf /tmp/workflow_gpu/verifier "$REPO"/results/*/hidden_states "$REPO"/results/*/train/state
   done < <(entries)
   touch "$Q/all-done"
   ;;

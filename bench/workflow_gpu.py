@@ -409,8 +409,10 @@ def main() -> None:
         result["verifier"] = build_verifier(verifier, shape, a.xfer / "tokenizer")
     log(f"verifier: {result['verifier']}")
     free = shutil.disk_usage(ROOT).free
-    if a.tokens is None:  # as much as the disk holds beside training state (12 GB kept free)
-        a.tokens = int((free - 12e9) / BYTES_PER_TOKEN[a.storage])
+    if a.tokens is None:  # as much as the disk holds beside the training state
+        # 24 GB kept free: with 12 GB a 2-epoch run on one H200 (64 GiB disk) filled the disk
+        # writing its second epoch's optimiser state (2026-12-05); `disk:` logs where it went
+        a.tokens = int((free - 24e9) / BYTES_PER_TOKEN[a.storage])
     result["args"] = {k: str(v) for k, v in vars(a).items()}
     result["disk_free_gb_before_workflow"] = round(free / 1e9, 1)
 
@@ -454,12 +456,29 @@ def main() -> None:
     with open(a.work / "snakemake.log", "w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
     result["wall_seconds"] = time.time() - t0
+    result["disk_gb"] = disk_report(run_dir)
+    log(f"disk: {result['disk_gb']}")
     if rc != 0:
         print((a.work / "snakemake.log").read_text()[-6000:])
         raise SystemExit(f"snakemake failed ({rc}) after {result['wall_seconds']:.0f} s")
     result["workflow"] = collect(run_dir)
     (a.work / "workflow_gpu.json").write_text(json.dumps(result, indent=2))
     report(result, a)
+
+
+def disk_report(run_dir: Path) -> dict[str, float]:
+    """GB on the disk under each folder of the run (and train/'s state folder's epochs), and
+    the disk's free GB: what a run that filled the disk spent it on."""
+
+    def used(path: Path) -> float:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        return float(f"{sum(f.lstat().st_blocks * 512 for f in files) / 1e9:.3g}")
+
+    out = {p.name: used(p) for p in sorted(run_dir.iterdir())} if run_dir.is_dir() else {}
+    for state in sorted(run_dir.glob("train/state/*")):
+        out[f"train/state/{state.name}"] = used(state)
+    out["free"] = round(shutil.disk_usage(run_dir.parent).free / 1e9, 1)
+    return out
 
 
 def report(result: dict, a) -> None:

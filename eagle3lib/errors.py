@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -25,6 +27,28 @@ GPU_MEMORY_KEYS = {
     "evaluate": "evaluate.batch_size (with evaluate.method: replay), or set evaluate.dtype: "
     "bfloat16 instead of float32",
 }
+
+
+# Free space below which a library's failed write (torch.save's RuntimeError, safetensors'
+# SafetensorError: neither is an OSError) is taken for a full disk.
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None:
+    """``exc``, a failed write into the folder ``where``, as the OSError of a full disk naming
+    ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed."""
+    if isinstance(exc, OSError):
+        if exc.errno not in DISK_FULL:
+            return None
+        return exc if exc.filename else OSError(exc.errno, exc.strerror, str(where))
+    text = str(exc)
+    if not ("os error 28" in text or "No space left" in text):
+        try:
+            if shutil.disk_usage(where).free >= NEARLY_FULL_BYTES:
+                return None
+        except OSError:
+            return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
 
 
 class UserError(Exception):

@@ -163,6 +163,7 @@ def _fp32_state(original, _context) -> Callable:
 
 def _staged_saves(save, context: dict[str, Any]) -> Callable:
     """``maybe_save_checkpoint`` writing into a staging folder that is swapped in whole."""
+    from eagle3lib.errors import as_disk_full
     from eagle3lib.train import STAGING, swap_in
 
     checkpointer, rank = context["trainer"].checkpointer, context["rank"]
@@ -175,6 +176,13 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
         checkpointer.path = staging
         try:
             save(epoch, local_step=local_step)
+        except Exception as exc:  # noqa: BLE001 (torch and safetensors raise their own types)
+            full = as_disk_full(exc, root)  # before the half-written staging frees its space
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            if full is None:
+                raise
+            raise full from None  # one line, not torch's traceback (errors.cli)
         finally:
             checkpointer.path = root
         if rank == 0:

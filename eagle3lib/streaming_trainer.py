@@ -22,7 +22,8 @@ from eagle3lib.speculators_compat import speculators_patches
 def thread_schedstat() -> tuple[int, int] | None:
     """The calling thread's nanoseconds so far on a core and runnable but waiting for one (in
     the kernel's run queue), from Linux's /proc/thread-self/schedstat; None where the kernel
-    does not report them (no file, or zeros: a thread reading it has run)."""
+    does not report them (no file) or has not accounted this thread yet (zeros: a thread that
+    only just started, until the scheduler's next update)."""
     try:
         run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
     except (OSError, ValueError):

@@ -216,6 +216,50 @@ def two_process_training(pipeline, tmp_path_factory) -> dict:
     }
 
 
+def _safetensors_spans(data: bytes) -> dict[str, tuple[int, int]] | None:
+    """A safetensors file's header and tensors as absolute byte spans; None if it is not one."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        spans = {"the header": (0, 8 + size)}
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                spans[f"{name} ({entry['dtype']} {entry['shape']})"] = (
+                    8 + size + start,
+                    8 + size + end,
+                )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return spans
+
+
+def assert_same_bytes(got: Path | bytes, want: Path | bytes, what: str = "") -> None:
+    """Byte equality of two files (or a file and bytes kept before). On a difference the message
+    names the files, their sizes, the first differing offset and, in safetensors files, the parts
+    that differ (header, tensors): a few lines in CI's log, not a dump of both files."""
+    a = got.read_bytes() if isinstance(got, Path) else got
+    b = want.read_bytes() if isinstance(want, Path) else want
+    if a == b:
+        return
+    first = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    differing = sum(x != y for x, y in zip(a, b, strict=False)) + abs(len(a) - len(b))
+    names = " against ".join(str(x) if isinstance(x, Path) else "bytes kept" for x in (got, want))
+    message = (
+        f"{what + ': ' if what else ''}{names}: {len(a)} and {len(b)} bytes, {differing} differ,"
+        f" the first at offset {first}"
+    )
+    spans_a, spans_b = _safetensors_spans(a), _safetensors_spans(b)
+    if spans_a is not None and spans_a == spans_b:
+        parts = [name for name, (lo, hi) in spans_a.items() if a[lo:hi] != b[lo:hi]]
+        message += f"; safetensors parts that differ: {', '.join(parts)}"
+    elif spans_a is not None or spans_b is not None:
+        message += "; safetensors headers differ in layout"
+    raise AssertionError(message)
+
+
 def job_counts(output: str) -> dict[str, int]:
     """Snakemake's 'Job stats' table as {rule: count} (empty when nothing was to be done)."""
     counts: dict[str, int] = {}

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import assert_same_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +83,7 @@ def test_the_parts_of_two_calls_unpack_to_the_same_bytes(build, serve_gpu_draft,
         "checkpoint/config.json",
         "reports/acceptance.json",
     ):
-        assert (run / name).read_bytes() == (build / "results/r" / name).read_bytes()
+        assert_same_bytes(run / name, build / "results/r" / name)
 
 
 def test_wait_on_an_ended_build_brings_the_first_parts_and_checkpoint_back_1_the_rest(
@@ -117,7 +118,7 @@ def test_wait_on_an_ended_build_brings_the_first_parts_and_checkpoint_back_1_the
         shutil.copy(p, parts)
     run = serve_gpu_draft.unpack(parts, tmp_path / "unpacked")
     model = "checkpoint/model.safetensors"
-    assert (run / model).read_bytes() == (build / "results/r" / model).read_bytes()
+    assert_same_bytes(run / model, build / "results/r" / model)
 
 
 def test_wait_on_a_running_build_brings_no_checkpoint(build, tmp_path):
@@ -151,7 +152,7 @@ def test_checkpoint_back_of_a_second_run_packs_that_runs_checkpoint(serve_gpu_dr
         unpacked = serve_gpu_draft.unpack(tmp_path / f"out-{run}", tmp_path / f"unpacked-{run}")
         assert unpacked.name == run
         model = "checkpoint/model.safetensors"
-        assert (unpacked / model).read_bytes() == (tree / "results" / run / model).read_bytes()
+        assert_same_bytes(unpacked / model, tree / "results" / run / model)
 
 
 def brought_back(build, to: Path) -> Path:

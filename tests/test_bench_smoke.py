@@ -4,7 +4,9 @@ print are CPU figures of tiny shapes, not benchmarks; what is asserted is that e
 and prints its keys (and, for quality_parity, that our trainer and speculators' CLI train the
 same weights)."""
 
+import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +206,11 @@ def test_workflow_gpu_smoke(tmp_path):
     out = smoke("workflow_gpu.py", *work, root=root)
     assert "workflow.cpu.extract.job_vs_bench = " in out
     assert (root / "results" / "wf8b" / "checkpoint" / "model.safetensors").exists()
+    # where the disk went, per folder of the run and epoch of the training state
+    disk = re.search(r"disk: (\{.*\})", out)
+    used = ast.literal_eval(disk.group(1))
+    assert {"hidden_states", "train", "train/state/0", "free"} <= set(used), used
+    assert used["hidden_states"] > 0 and used["train/state/0"] > 0, used
 
 
 def test_quality_parity_reads_a_verifier_record_relative_to_its_folder(tmp_path):

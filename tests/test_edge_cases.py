@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import tiny
 import yaml
+from conftest import assert_same_bytes
 from test_bad_input import leftovers, one_error_line, run_main
 
 from eagle3lib import preflight
@@ -594,7 +595,7 @@ def test_gguf_conversion_parses_the_file_once_and_writes_the_same_bytes(
         p.name for p in (tmp_path / "thrice").iterdir()
     )
     for name in files:
-        assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "thrice" / name).read_bytes()
+        assert_same_bytes(tmp_path / "once" / name, tmp_path / "thrice" / name)
 
 
 @pytest.mark.slow

@@ -153,3 +153,22 @@ def test_draft_vocab_larger_than_the_verifier_vocab(setup):
     assert "config key train.draft_vocab_size: 100000 is larger than the verifier vocab" in line
     assert "use at most 400" in line
     assert not (tmp_path / "results").exists()
+
+
+def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path):
+    """as_disk_full: safetensors' "os error 28" and an OSError ENOSPC are a full disk (named by
+    the folder where the error has no file name); an error in a folder with room, or an OSError
+    of another kind, is not."""
+    import errno
+
+    from eagle3lib.errors import as_disk_full
+
+    full = as_disk_full(RuntimeError("I/O error: No space left on device (os error 28)"), tmp_path)
+    assert (full.errno, full.filename) == (errno.ENOSPC, str(tmp_path))
+    named = OSError(errno.ENOSPC, "No space left on device", "/x/optimizer_state_dict.pt")
+    assert as_disk_full(named, tmp_path) is named
+    assert as_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path).filename == str(
+        tmp_path
+    )
+    assert as_disk_full(RuntimeError("unexpected pos 704647168 vs 704647056"), tmp_path) is None
+    assert as_disk_full(OSError(errno.EACCES, "Permission denied"), tmp_path) is None

@@ -25,6 +25,7 @@ import tiny
 from conftest import (
     ROOT,
     alive,
+    assert_same_bytes,
     executed_jobs,
     job_counts,
     proc_entries,
@@ -301,7 +302,7 @@ def test_truncated_shard_is_rebuilt_not_trained_on(extraction):
     out = proc.stdout + proc.stderr
     assert "shard-1.safetensors" in out and "rebuilding shard 1" in out
     assert [j for j in executed_jobs(out) if j.startswith("extract")] == ["extract[shard=1]"]
-    assert shard.read_bytes() == reference["shard-1.safetensors"]
+    assert_same_bytes(shard, reference["shard-1.safetensors"])
 
 
 # ---- snakemake's whole process group killed: no job outlives it ---------------------------
@@ -405,7 +406,7 @@ def test_killed_training_resumes_mid_epoch_to_the_same_bytes(pipeline, tmp_path)
         if had_checkpoint[seed]:  # continued from it (its state kept): fewer steps than a run
             assert summary["resumed"] is True, seed
             assert train_records(work) - steps_before[seed] < total_steps
-        assert (work / "checkpoint" / "model.safetensors").read_bytes() == reference, seed
+        assert_same_bytes(work / "checkpoint" / "model.safetensors", reference, f"trial {seed}")
         final = work / summary["final_epoch_dir"]
         global_step = json.loads((final / "training_state.json").read_text())["global_step"]
         assert global_step == total_steps and step_counters(final) == {float(total_steps)}
@@ -468,28 +469,37 @@ def test_killed_regeneration_resumes_to_the_same_bytes(verifier_record, tmp_path
         info = json.loads((work / "info.json").read_text())
         if killed[seed]:
             assert info["chunks_reused"] == done[seed]  # finished chunks were not redone
-        assert (work / "out.jsonl").read_bytes() == reference, seed
+        assert_same_bytes(work / "out.jsonl", reference, f"trial {seed}")
     assert sum(killed) >= 3, killed  # most trials were cut off, not finished first
 
 
 # ---- a full disk -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root or CAP_SYS_ADMIN: skipped where mounting is not permitted)."""
-    mnt = tmp_path / "small"
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str):
+    """A tmpfs of ``size`` at ``mnt`` (needs root or CAP_SYS_ADMIN: the test is skipped where
+    mounting is not permitted)."""
     mnt.mkdir()
     proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
     )
     if proc.returncode != 0:
         pytest.skip(
             "cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): "
             f"{proc.stderr.decode().strip()}"
         )
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs."""
+    with tmpfs(tmp_path / "small", "1m") as mnt:
+        yield mnt
 
 
 def test_full_disk_is_a_clear_error_and_leaves_nothing(pipeline, small_disk):
@@ -521,6 +531,30 @@ def test_disk_full_during_a_write_is_one_line(small_disk):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "free disk space" in lines[0]
     assert str(small_disk) in lines[0]
     assert list(small_disk.iterdir()) == []
+
+
+def test_disk_full_while_saving_a_training_checkpoint_is_one_line(pipeline, tmp_path):
+    """The train job's state folder on a disk too small for its first checkpoint (a real
+    256 KiB tmpfs): torch.save and safetensors fail with their own errors (a RuntimeError, a
+    SafetensorError), which the job reports as the one line of a full disk naming the state
+    folder, with the half-written checkpoint removed (its space freed) and no epoch folder."""
+    import dataclasses
+
+    with tmpfs(tmp_path / "tiny", "256k") as disk:
+        cfg = dataclasses.replace(pipeline["train_cfg"], epochs=1)
+        cmd = train_command(pipeline, tmp_path, cfg)
+        cmd[cmd.index("--state-dir") + 1] = str(disk / "state")
+        proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last == (
+            f"error: {disk / 'state'}: No space left on device; free disk space (or raise the "
+            "quota) or point the results elsewhere, then rerun"
+        ), proc.stderr[-3000:]
+        left = sorted(p.name for p in (disk / "state").iterdir())
+        assert ".staging" not in left and not [n for n in left if n.isdigit()], left
+        assert not (tmp_path / "checkpoint" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize(

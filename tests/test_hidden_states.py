@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import tiny
 import torch
+from conftest import assert_same_bytes
 
 from eagle3lib import config, data, hidden_states, shard_writer, shards
 from eagle3lib.config import ExtractConfig, PrepareConfig
@@ -222,7 +223,7 @@ def test_extraction_is_deterministic_and_input_hash_tracks_inputs(
     hidden_states.extract_shard(
         samples, ids, 1, cfg, verifier_record, tmp_path / "s.safetensors", tmp_path / "s.json"
     )
-    assert (tmp_path / "s.safetensors").read_bytes() == (tmp / "shard-1.safetensors").read_bytes()
+    assert_same_bytes(tmp_path / "s.safetensors", tmp / "shard-1.safetensors")
     a = read_json(tmp / "shard-1.json")
     b = read_json(tmp_path / "s.json")
     assert a["file"].pop("name") == "shard-1.safetensors"
@@ -369,7 +370,7 @@ def test_fp8_extraction_is_byte_reproducible(extracted, extracted_fp8, verifier_
     out, cfg = extracted_fp8
     again = tmp_path / "again.safetensors"
     hidden_states.extract_shard(samples, ids, 1, cfg, verifier_record, again, tmp_path / "a.json")
-    assert again.read_bytes() == (out / "shard-1.safetensors").read_bytes()
+    assert_same_bytes(again, out / "shard-1.safetensors")
 
 
 def test_disk_estimate_line():
@@ -413,7 +414,7 @@ def test_compiled_layers_give_eager_states_and_reproducible_shards(
                 samples, ids, 1, compiled, verifier_record, path, path.with_suffix(".json")
             )
             assert stats["compiled"] is True and read_json(path.with_suffix(".json"))["compiled"]
-    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert_same_bytes(paths[0], paths[1])
     eager = _shard_states(tmp / "shard-1.safetensors")
     # fp32 compute either way; fused kernels round differently in the last fp32 bits, which
     # the 8 random layers amplify (up to 6e-5 seen on values near zero, where a bf16 step is

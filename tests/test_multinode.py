@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import slurm_stub
-from conftest import ROOT, alive, train_command, wait_until
+from conftest import ROOT, alive, assert_same_bytes, train_command, wait_until
 
 from eagle3lib import multinode, report
 from eagle3lib.errors import UserError
@@ -372,8 +372,9 @@ def test_two_nodes_preempted_then_a_rank_killed_resume_to_one_nodes_bytes(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
     assert logged_steps(tmp_path)[before] == second  # resumed again
-    weights = (tmp_path / "checkpoint" / "model.safetensors").read_bytes()
-    assert weights == two_process_training["weights"]
+    assert_same_bytes(
+        tmp_path / "checkpoint" / "model.safetensors", two_process_training["weights"]
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["resumed"] is True
     assert checkpoint_step(tmp_path) == two_process_training["steps"]
@@ -424,8 +425,9 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["resumed"] is True
-    weights = (tmp_path / "checkpoint" / "model.safetensors").read_bytes()
-    assert weights == two_process_training["weights"]
+    assert_same_bytes(
+        tmp_path / "checkpoint" / "model.safetensors", two_process_training["weights"]
+    )
 
 
 @pytest.mark.slow
@@ -500,8 +502,7 @@ def test_two_node_job_through_the_slurm_executor_trains_one_nodes_bytes(
     # srun's output, labelled with the task; rank 0 (which prints) is on either "node":
     # c10d numbers the nodes as they arrive
     assert re.search(r"\n[01]: train: step 1/18 ", log), log
-    weights = (results / "checkpoint" / "model.safetensors").read_bytes()
-    assert weights == two_process_training["weights"]
+    assert_same_bytes(results / "checkpoint" / "model.safetensors", two_process_training["weights"])
     summary = json.loads((results / "train" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["resumed"] is False
     record = json.loads((results / "gpu" / "train.json").read_text())

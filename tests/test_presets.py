@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import job_counts, run_snakemake
+from conftest import assert_same_bytes, job_counts, run_snakemake
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -190,7 +190,7 @@ def test_the_committed_conversations_merge_into_the_60k_builds_training_file(tmp
         "merged: 42760 conversations and 17716 synthetic ones (17 left out, their prompt already "
         "there)",
     ]
-    assert (tmp_path / "m2.jsonl.gz").read_bytes() == (tmp_path / "m2-again.jsonl.gz").read_bytes()
+    assert_same_bytes(tmp_path / "m2.jsonl.gz", tmp_path / "m2-again.jsonl.gz")
     with gzip.open(tmp_path / "m2.jsonl.gz", "rt") as fh:
         ids = [json.loads(line)["id"] for line in fh]
     assert len(ids) == len(set(ids)) == 60476

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import tiny
 import torch
-from conftest import regenerate_command
+from conftest import assert_same_bytes, regenerate_command
 from torch.nn.attention import SDPBackend
 
 from eagle3lib import regenerate as rg
@@ -404,7 +404,7 @@ def test_interrupted_regeneration_resumes_with_the_missing_chunks(tmp_path):
     calls.clear()
     again = rg.regenerate(convs, counting, *args, log=lambda m: None)
     assert again["chunks_reused"] == 3 and calls == [3]
-    assert (tmp_path / "out.jsonl").read_bytes() == whole  # the same conversations, in order
+    assert_same_bytes(tmp_path / "out.jsonl", whole)  # the same conversations, in order
     lines = whole.decode().splitlines()
     assert [json.loads(x)["id"] for x in lines] == [str(i) for i in range(10)]
     calls.clear()
@@ -478,7 +478,8 @@ def test_synthetic_prompts_are_filtered_spread_among_the_conversations_and_kept(
     logs.clear()
     again = rg.regenerate(convs, fake_generate, *args, log=logs.append, synthesize=synthesize)
     assert len(calls) == 1 and "3 synthetic prompts of an earlier attempt reused" in logs[0]
-    assert again["chunks_reused"] == 2 and (tmp_path / "out.jsonl").read_bytes() == before
+    assert again["chunks_reused"] == 2
+    assert_same_bytes(tmp_path / "out.jsonl", before)
     # regenerate.synthetic_system_prompts: prompt i continues prefix i mod their number
     calls.clear()
     logs.clear()

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import tiny
-from conftest import executed_jobs, job_counts, run_snakemake
+from conftest import assert_same_bytes, executed_jobs, job_counts, run_snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -324,9 +324,7 @@ def test_clean_rebuild_gives_identical_bytes(ws, tmp_path):
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts.get("train") == 1 and counts.get("extract") == 2 and "evaluate" not in counts
     for artifact in ARTIFACTS:
-        assert (tmp_path / "results/t" / artifact).read_bytes() == (
-            ws.results / artifact
-        ).read_bytes(), artifact
+        assert_same_bytes(tmp_path / "results/t" / artifact, ws.results / artifact)
     provenance = json.loads((tmp_path / "results/t/checkpoint/provenance-train.json").read_text())
     assert provenance["config"]["seed"] == 42 and provenance["verifier"]["name"] == "tiny-llama"
     assert provenance["packages"]["speculators"] == "0.9.0" and provenance["git"]["commit"]
@@ -559,7 +557,7 @@ def test_deleting_one_shard_rebuilds_that_shard_only(ws):
     out = ws.run("--until", "extract")
     extracts = [j for j in executed_jobs(out) if j.startswith("extract")]
     assert extracts == ["extract[shard=1]"], executed_jobs(out)
-    assert shard1.read_bytes() == old_bytes  # deterministic on CPU
+    assert_same_bytes(shard1, old_bytes)  # deterministic on CPU
     assert (ws.results / "hidden_states" / "shard-0.safetensors").stat().st_mtime_ns == shard0_mtime
 
 
@@ -582,7 +580,7 @@ def test_extract_jobs_sharing_a_gpu_take_turns_and_write_the_same_bytes(ws, monk
         assert out.count("gpu_job.py --gpus 0 --rule extract") == 2, out  # snakemake's count
         held, turns = [], []
         for i in (0, 1):
-            assert (folder / f"shard-{i}.safetensors").read_bytes() == before[i]
+            assert_same_bytes(folder / f"shard-{i}.safetensors", before[i])
             record = json.loads((ws.results / "gpu" / f"extract-{i}.json").read_text())
             assert record["shared_by"] == 2 and record["devices"] == [0], record
             held.append((record["started_at"], record["ended_at"]))
