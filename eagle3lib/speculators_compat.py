@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import shutil
+import sys
 import time
 import types
 import warnings
@@ -164,9 +165,11 @@ def _fp32_state(original, _context) -> Callable:
 def _staged_saves(save, context: dict[str, Any]) -> Callable:
     """``maybe_save_checkpoint`` writing into a staging folder that is swapped in whole."""
     from eagle3lib.errors import as_disk_full
-    from eagle3lib.train import STAGING, swap_in
+    from eagle3lib.train import STAGING, disk_warning, swap_in
 
-    checkpointer, rank = context["trainer"].checkpointer, context["rank"]
+    trainer, rank = context["trainer"], context["rank"]
+    checkpointer = trainer.checkpointer
+    warned = []  # the disk warning is said once a process
 
     def atomic_save(epoch, local_step: int = 0):
         root = checkpointer.path
@@ -189,6 +192,16 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
             if (staging / str(epoch)).is_dir():
                 swap_in(staging / str(epoch), root / str(epoch))
             shutil.rmtree(staging, ignore_errors=True)
+            saved = [p for p in (root / str(epoch)).rglob("*") if p.is_file()]
+            line = disk_warning(
+                sum(p.stat().st_size for p in saved),
+                shutil.disk_usage(root).free,
+                trainer.config.num_epochs - epoch - 1,
+                root,
+            )
+            if line and not warned:
+                warned.append(line)
+                print(line, file=sys.stderr, flush=True)
 
     return atomic_save
 

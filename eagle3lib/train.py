@@ -189,6 +189,21 @@ def swap_in(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def disk_warning(state_bytes: int, free_bytes: int, epochs_left: int, where: Path) -> str | None:
+    """A line for the log when the epochs still to be saved will not fit on the disk: each
+    keeps its own folder of ``state_bytes`` (the last one saved), and ``free_bytes`` are left
+    at ``where``; None when they fit (or none are left)."""
+    need = state_bytes * epochs_left
+    if epochs_left <= 0 or free_bytes >= need:
+        return None
+    return (
+        f"train: warning: an epoch's state takes {state_bytes / 1e9:.2f} GB and {epochs_left} "
+        f"more are to be saved ({need / 1e9:.2f} GB), but {where} has {free_bytes / 1e9:.2f} "
+        "GB free: free disk space before then, or the job stops at a full disk (a rerun "
+        "resumes from the last state saved)"
+    )
+
+
 def recover_state_dir(state_dir: Path) -> None:
     """Undo what a kill during a checkpoint save left: a half-written staging folder, or an
     epoch folder moved aside (``<epoch>.old``) whose replacement never arrived."""

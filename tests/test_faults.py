@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -555,6 +556,33 @@ def test_disk_full_while_saving_a_training_checkpoint_is_one_line(pipeline, tmp_
         left = sorted(p.name for p in (disk / "state").iterdir())
         assert ".staging" not in left and not [n for n in left if n.isdigit()], left
         assert not (tmp_path / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_disk_too_small_for_the_epochs_to_come_is_warned_of_after_the_first(pipeline, tmp_path):
+    """Two epochs with the state folder on a real 1.5 MiB tmpfs, which holds one epoch's state
+    (about 0.9 MB) but not two: after the first save the log warns, once, that the second will
+    not fit, with the sizes; the second save then stops the job with the full disk's line."""
+    import dataclasses
+
+    with tmpfs(tmp_path / "small", "1536k") as disk:
+        cfg = dataclasses.replace(pipeline["train_cfg"], epochs=2)
+        cmd = train_command(pipeline, tmp_path, cfg)
+        cmd[cmd.index("--state-dir") + 1] = str(disk / "state")
+        proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        warnings = [line for line in proc.stderr.splitlines() if "train: warning:" in line]
+        assert len(warnings) == 1, proc.stderr[-3000:]
+        found = re.fullmatch(
+            r"train: warning: an epoch's state takes (0\.\d\d) GB and 1 more are to be saved "
+            rf"\((0\.\d\d) GB\), but {re.escape(str(disk / 'state'))} has (0\.\d\d) GB free: "
+            r"free disk space before then, or the job stops at a full disk \(a rerun resumes "
+            r"from the last state saved\)",
+            warnings[0],
+        )
+        assert found, warnings[0]
+        state = sum(p.stat().st_size for p in (disk / "state" / "0").iterdir())
+        assert found.group(1) == found.group(2) == f"{state / 1e9:.2f}"
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {disk / 'state'}: No space")
 
 
 @pytest.mark.parametrize(
