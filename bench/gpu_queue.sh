@@ -13,8 +13,9 @@
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
-# does not stop the rest. collect takes the bench_*.json files of the folder after --out; the
-# rest of what a command wrote (verifiers, shards, training state) is deleted after it.
+# does not stop the rest. collect takes the bench_*.json files of the folder after --out; after
+# each command the other files under /tmp/o, workflow_gpu.py's default verifier folder and the
+# runs' shards and training state are deleted (the disk for the next command).
 # A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
 set -euo pipefail
 Q=/tmp/gpuq

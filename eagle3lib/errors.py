@@ -29,26 +29,36 @@ GPU_MEMORY_KEYS = {
 }
 
 
-# Free space below which a library's failed write (torch.save's RuntimeError, safetensors'
-# SafetensorError: neither is an OSError) is taken for a full disk.
+# Free space below which torch.save's failed write (a RuntimeError naming no cause, not an
+# OSError) is taken for a full disk.
 NEARLY_FULL_BYTES = 64 << 20
+# How torch's zip writer reports a write that failed (the cause is not given).
+TORCH_WRITE_FAILED = ("unexpected pos", "iostream error", "file write failed")
 
 
 def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None:
     """``exc``, a failed write into the folder ``where``, as the OSError of a full disk naming
-    ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed."""
+    ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed:
+    an OSError of a full disk; safetensors' error naming os error 28; torch's zip writer
+    failing while less than NEARLY_FULL_BYTES are free (its own first line kept)."""
     if isinstance(exc, OSError):
         if exc.errno not in DISK_FULL:
             return None
         return exc if exc.filename else OSError(exc.errno, exc.strerror, str(where))
     text = str(exc)
-    if not ("os error 28" in text or "No space left" in text):
-        try:
-            if shutil.disk_usage(where).free >= NEARLY_FULL_BYTES:
-                return None
-        except OSError:
+    if "os error 28" in text or "No space left on device" in text:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    if not isinstance(exc, RuntimeError) or _gpu_out_of_memory(exc):
+        return None
+    if not any(sign in text for sign in TORCH_WRITE_FAILED):
+        return None
+    try:
+        if shutil.disk_usage(where).free >= NEARLY_FULL_BYTES:
             return None
-    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    except OSError:
+        return None
+    detail = f"{os.strerror(errno.ENOSPC)} (torch: {first_line(exc)})"
+    return OSError(errno.ENOSPC, detail, str(where))
 
 
 class UserError(Exception):

@@ -155,20 +155,45 @@ def test_draft_vocab_larger_than_the_verifier_vocab(setup):
     assert not (tmp_path / "results").exists()
 
 
-def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path):
-    """as_disk_full: safetensors' "os error 28" and an OSError ENOSPC are a full disk (named by
-    the folder where the error has no file name); an error in a folder with room, or an OSError
-    of another kind, is not."""
+def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path, monkeypatch):
+    """as_disk_full: an OSError ENOSPC or EDQUOT (named by the folder where it names no file)
+    and safetensors' "os error 28" are a full disk; torch's zip writer failing is one only
+    while the folder's disk is (nearly) full, with torch's line kept; another error, or an
+    OSError of another kind, is not one, full disk or not."""
     import errno
+    import shutil
+    from collections import namedtuple
 
-    from eagle3lib.errors import as_disk_full
+    import torch
 
-    full = as_disk_full(RuntimeError("I/O error: No space left on device (os error 28)"), tmp_path)
-    assert (full.errno, full.filename) == (errno.ENOSPC, str(tmp_path))
-    named = OSError(errno.ENOSPC, "No space left on device", "/x/optimizer_state_dict.pt")
-    assert as_disk_full(named, tmp_path) is named
-    assert as_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path).filename == str(
-        tmp_path
+    from eagle3lib import errors
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 10 << 30}
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(0, 0, free["bytes"]))
+    safetensors = RuntimeError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
     )
-    assert as_disk_full(RuntimeError("unexpected pos 704647168 vs 704647056"), tmp_path) is None
-    assert as_disk_full(OSError(errno.EACCES, "Permission denied"), tmp_path) is None
+    full = errors.as_disk_full(safetensors, tmp_path)
+    assert (full.errno, full.strerror, full.filename) == (
+        errno.ENOSPC, "No space left on device", str(tmp_path)
+    )  # fmt: skip
+    named = OSError(errno.ENOSPC, "No space left on device", "/x/optimizer_state_dict.pt")
+    assert errors.as_disk_full(named, tmp_path) is named
+    quota = errors.as_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    assert quota.filename == str(tmp_path)
+    torch_write = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704647168 vs 704647056"
+    )
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    others = [torch_write, oom, RuntimeError("a bug"), KeyError("step"),
+              OSError(errno.EACCES, "Permission denied")]  # fmt: skip
+    assert [errors.as_disk_full(e, tmp_path) for e in others] == [None] * 5  # 10 GiB free
+    free["bytes"] = 4096  # the disk full: only torch's write failure changes
+    full = errors.as_disk_full(torch_write, tmp_path)
+    assert (full.errno, full.filename) == (errno.ENOSPC, str(tmp_path))
+    assert full.strerror == (
+        "No space left on device (torch: [enforce fail at inline_container.cc:672] . unexpected "
+        "pos 704647168 vs 704647056)"
+    )
+    assert [errors.as_disk_full(e, tmp_path) for e in others[1:]] == [None] * 4
