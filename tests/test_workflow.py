@@ -12,6 +12,7 @@ import tiny
 from conftest import assert_same_bytes, executed_jobs, job_counts, run_snakemake
 
 from eagle3lib.fileio import sha256_file
+from eagle3lib.train import loss_curves, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -326,7 +327,24 @@ def test_clean_rebuild_gives_identical_bytes(ws, tmp_path):
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts.get("train") == 1 and counts.get("extract") == 2 and "evaluate" not in counts
     for artifact in ARTIFACTS:
-        assert_same_bytes(tmp_path / "results/t" / artifact, ws.results / artifact)
+        what = artifact
+        if artifact.startswith("checkpoint/"):  # where training differed first, if it did
+            rebuilt, first = (
+                loss_curves(read_metrics(r / "train/state/metrics.jsonl"))
+                for r in (tmp_path / "results/t", ws.results)
+            )
+            steps = [
+                s
+                for s, a, b in zip(
+                    first["step"], rebuilt["train_loss"], first["train_loss"], strict=False
+                )
+                if a != b
+            ]
+            what += (
+                f" (train losses of {len(rebuilt['step'])} and {len(first['step'])} steps;"
+                f" first differing at step {steps[0] if steps else None})"
+            )
+        assert_same_bytes(tmp_path / "results/t" / artifact, ws.results / artifact, what)
     provenance = json.loads((tmp_path / "results/t/checkpoint/provenance-train.json").read_text())
     assert provenance["config"]["seed"] == 42 and provenance["verifier"]["name"] == "tiny-llama"
     assert provenance["packages"]["speculators"] == "0.9.0" and provenance["git"]["commit"]
