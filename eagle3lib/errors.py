@@ -40,7 +40,10 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
     """``exc``, a failed write into the folder ``where``, as the OSError of a full disk naming
     ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed:
     an OSError of a full disk; safetensors' error naming os error 28; torch's zip writer
-    failing while less than NEARLY_FULL_BYTES are free (its own first line kept)."""
+    failing while less than NEARLY_FULL_BYTES are free (its own first line kept). A UserError
+    already says what to do: it is not one."""
+    if isinstance(exc, UserError):
+        return None
     if isinstance(exc, OSError):
         if exc.errno not in DISK_FULL:
             return None

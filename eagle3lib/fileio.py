@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.errors import DISK_FULL, UserError, first_line
+from eagle3lib.errors import UserError, as_disk_full, first_line
 
 
 @contextlib.contextmanager
@@ -44,8 +44,9 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL and exc.filename is None:
-            raise OSError(exc.errno, exc.strerror, str(path)) from None  # name the file
+        full = as_disk_full(exc, path) if isinstance(exc, Exception) else None
+        if full is not None and full is not exc:
+            raise full from None  # a full disk, named by the file (errors.cli: one line)
         raise
 
 

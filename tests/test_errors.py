@@ -187,8 +187,9 @@ def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path, monkey
     )
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     others = [torch_write, oom, RuntimeError("a bug"), KeyError("step"),
-              OSError(errno.EACCES, "Permission denied")]  # fmt: skip
-    assert [errors.as_disk_full(e, tmp_path) for e in others] == [None] * 5  # 10 GiB free
+              OSError(errno.EACCES, "Permission denied"),
+              errors.UserError("x: cannot reserve 9 bytes (No space left on device); free ...")]  # fmt: skip
+    assert [errors.as_disk_full(e, tmp_path) for e in others] == [None] * 6  # 10 GiB free
     free["bytes"] = 4096  # the disk full: only torch's write failure changes
     full = errors.as_disk_full(torch_write, tmp_path)
     assert (full.errno, full.filename) == (errno.ENOSPC, str(tmp_path))
@@ -196,4 +197,4 @@ def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path, monkey
         "No space left on device (torch: [enforce fail at inline_container.cc:672] . unexpected "
         "pos 704647168 vs 704647056)"
     )
-    assert [errors.as_disk_full(e, tmp_path) for e in others[1:]] == [None] * 4
+    assert [errors.as_disk_full(e, tmp_path) for e in others[1:]] == [None] * 5
