@@ -197,8 +197,8 @@ def disk_warning(state_bytes: int, free_bytes: int, epochs_left: int, where: Pat
     if epochs_left <= 0 or free_bytes >= need:
         return None
     return (
-        f"train: warning: an epoch's state takes {state_bytes / 1e9:.2f} GB and {epochs_left} "
-        f"more are to be saved ({need / 1e9:.2f} GB), but {where} has {free_bytes / 1e9:.2f} "
+        f"train: warning: an epoch's state takes {state_bytes / 1e9:.3g} GB and {epochs_left} "
+        f"more are to be saved ({need / 1e9:.3g} GB), but {where} has {free_bytes / 1e9:.3g} "
         "GB free: free disk space before then, or the job stops at a full disk (a rerun "
         "resumes from the last state saved)"
     )

@@ -856,7 +856,7 @@ def test_the_disk_warning_names_the_sizes_only_when_the_epochs_to_come_do_not_fi
     assert train.disk_warning(4_000_000_000, 0, 0, tmp_path) is None  # the last epoch saved
     line = train.disk_warning(4_100_000_000, 8_000_000_000, 2, tmp_path)
     assert line == (
-        "train: warning: an epoch's state takes 4.10 GB and 2 more are to be saved (8.20 GB), "
-        f"but {tmp_path} has 8.00 GB free: free disk space before then, or the job stops at a "
+        "train: warning: an epoch's state takes 4.1 GB and 2 more are to be saved (8.2 GB), "
+        f"but {tmp_path} has 8 GB free: free disk space before then, or the job stops at a "
         "full disk (a rerun resumes from the last state saved)"
     )
