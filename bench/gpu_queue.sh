@@ -54,7 +54,7 @@ run) # the background part of start
     echo "$rc" >"$Q/$name.rc"
     date +%s >"$Q/$name.end"
     # the disk for the next command (one 8B-shape verifier and its shards fill most of a 64 GiB
-    # disk): only what collect takes is kept, the bench_*.json files and the logs
+    # disk): the large files go; what collect takes (bench_*.json files, logs) stays
     find /tmp/o -type f ! -name 'bench_*.json' -delete 2>/dev/null || true
     rm -rf /tmp/workflow_gpu/verifier "$REPO"/results/*/hidden_states "$REPO"/results/*/train/state
   done < <(entries)
