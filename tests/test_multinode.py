@@ -418,9 +418,11 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(
     assert stopped, log[-3000:]
     step = int(stopped.group(1))
     assert checkpoint_step(tmp_path) == step and agreed_after(step), step
-    # each node's torchrun: one line a rank, no traceback (scripts/torchrun.py)
+    # each node's torchrun: one line a rank, no traceback (scripts/torchrun.py). Both ranks
+    # exit 143 after the final barrier, at about the same moment: whichever node's torchrun
+    # reports first, srun (--kill-on-bad-exit) may end the other node's before it prints
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
-    assert re.search(r"torchrun: rank 1 \(pid \d+\) exited with status 143, the first", log)
+    assert re.search(r"torchrun: rank [01] \(pid \d+\) exited with status 143, the first", log)
 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + (tmp_path / "train.log").read_text()[-3000:]
