@@ -80,7 +80,9 @@ def _terminate(signum, _frame):
 
 
 def cli(main: F) -> F:
-    """Run ``main``; turn a UserError into ``error: <message>`` on stderr and exit status 1."""
+    """Run ``main``; turn a UserError into ``error: <message>`` on stderr and exit status 1, as
+    also a full disk, a GPU out of memory, and a collective that lost another process of the
+    job (each as one line)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -99,6 +101,9 @@ def cli(main: F) -> F:
             print(f"error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
             sys.exit(1)
         except RuntimeError as exc:
+            if _lost_peer(exc):
+                print(f"error: {lost_peer_message(exc)}", file=sys.stderr, flush=True)
+                sys.exit(1)
             if not _gpu_out_of_memory(exc):
                 raise
             print(f"error: {gpu_memory_message(exc, sys.argv[0])}", file=sys.stderr, flush=True)
@@ -116,6 +121,35 @@ def cli(main: F) -> F:
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
+
+
+# How a collective reports that another process of the job is gone: gloo's closed or reset
+# connection, NCCL's remote error (ncclRemoteError's text in torch's ProcessGroupNCCL).
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective of a process of several (torchrun's WORLD_SIZE > 1) that failed because
+    another process ended: that one has printed the job's error; a traceback here would bury
+    it."""
+    try:
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        several = False
+    return several and any(sign in str(exc) for sign in PEER_LOST)
+
+
+def lost_peer_message(exc: BaseException) -> str:
+    """One line for a process whose collective lost another process of the job."""
+    rank = os.environ.get("RANK", "?")
+    return (
+        f"rank {rank}: another process of this job ended first (its error, if it printed one, "
+        f"is above), so this one stopped too: {first_line(exc)}"
+    )
 
 
 def _gpu_out_of_memory(exc: BaseException) -> bool:

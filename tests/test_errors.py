@@ -198,3 +198,44 @@ def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path, monkey
         "pos 704647168 vs 704647056)"
     )
     assert [errors.as_disk_full(e, tmp_path) for e in others[1:]] == [None] * 5
+
+
+def test_a_collective_that_lost_another_process_is_one_line_only_in_a_job_of_several(
+    monkeypatch, capsys
+):
+    """errors.cli: gloo's closed connection (and NCCL's remote error) in a process of several
+    (WORLD_SIZE > 1) is one line naming the rank, torch's first line kept, exit status 1; the
+    same error in a single process, or another RuntimeError, keeps its traceback."""
+    from eagle3lib import errors
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:9091. This is typically caused by a remote worker crashing."
+    )
+
+    def raising(exc):
+        def main():
+            raise exc
+
+        return errors.cli(main)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as stopped:
+        raising(gloo)()
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == (
+        "error: rank 1: another process of this job ended first (its error, if it printed one, "
+        "is above), so this one stopped too: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+        "transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9091. This is "
+        "typically caused by a remote worker crashing.\n"
+    )
+    nccl = RuntimeError("NCCL error: remote process exited or there was a network error")
+    with pytest.raises(SystemExit):
+        raising(nccl)()
+    assert capsys.readouterr().err.startswith("error: rank 1: another process of this job")
+    with pytest.raises(RuntimeError, match="a bug"):
+        raising(RuntimeError("a bug"))()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        raising(gloo)()

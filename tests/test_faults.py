@@ -567,6 +567,32 @@ def test_disk_full_while_saving_a_training_checkpoint_is_one_line(pipeline, tmp_
         assert not (tmp_path / "checkpoint" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_disk_full_in_a_job_of_two_processes_is_one_line_on_each(pipeline, tmp_path):
+    """Two processes (torchrun, gloo) with the state folder on a real 256 KiB tmpfs: rank 0's
+    save fails on the full disk while rank 1 waits at speculators' barrier after it. Rank 0
+    prints the full disk's line; rank 1, whose barrier then loses rank 0, one line saying so
+    (or none, where torchrun's SIGTERM reaches it first), and torchrun one line a rank: no
+    traceback (rank 1 printed gloo's before)."""
+    import dataclasses
+
+    with tmpfs(tmp_path / "tiny", "256k") as disk:
+        cfg = dataclasses.replace(pipeline["train_cfg"], epochs=1)
+        cmd = [*train_command(pipeline, tmp_path, cfg), "--processes", "2"]
+        cmd[cmd.index("--state-dir") + 1] = str(disk / "state")
+        proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0] == (
+        f"error: {disk / 'state'}: No space left on device; free disk space (or raise the "
+        "quota) or point the results elsewhere, then rerun"
+    ), proc.stderr[-3000:]
+    assert all(line.startswith("error: rank 1: another process") for line in errors[1:]), errors
+    assert re.search(r"^torchrun: rank 0 \(pid \d+\) exited with status 1, the first$",
+                     proc.stderr, re.M), proc.stderr[-3000:]  # fmt: skip
+
+
 def test_a_disk_too_small_for_the_epochs_to_come_is_warned_of_after_the_first(pipeline, tmp_path):
     """Two epochs with the state folder on a real 1.5 MiB tmpfs, which holds one epoch's state
     (about 0.9 MB) but not two: after the first save the log warns, once, that the second will
