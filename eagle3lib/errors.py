@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -40,8 +41,9 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
     """``exc``, a failed write into the folder ``where``, as the OSError of a full disk naming
     ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed:
     an OSError of a full disk; safetensors' error naming os error 28; torch's zip writer
-    failing while less than NEARLY_FULL_BYTES are free (its own first line kept). A UserError
-    already says what to do: it is not one."""
+    failing while less than NEARLY_FULL_BYTES are free, or while a probe write into ``where``
+    fails as on a full disk (a quota, a file size limit: ``_write_refused``), its own first
+    line kept. A UserError already says what to do: it is not one."""
     if isinstance(exc, UserError):
         return None
     if isinstance(exc, OSError):
@@ -56,12 +58,47 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
     if not any(sign in text for sign in TORCH_WRITE_FAILED):
         return None
     try:
-        if shutil.disk_usage(where).free >= NEARLY_FULL_BYTES:
-            return None
+        nearly_full = shutil.disk_usage(where).free < NEARLY_FULL_BYTES
     except OSError:
         return None
-    detail = f"{os.strerror(errno.ENOSPC)} (torch: {first_line(exc)})"
-    return OSError(errno.ENOSPC, detail, str(where))
+    # free space does not show a quota or a file size limit: a probe write does
+    code = errno.ENOSPC if nearly_full else _write_refused(where)
+    if code is None:
+        return None
+    detail = f"{os.strerror(code)} (torch: {first_line(exc)})"
+    return OSError(code, detail, str(where))
+
+
+# A write this size into the folder of a failed torch.save tells a quota or a file size limit
+# already reached (the half-written file still holds its space) from another failure.
+PROBE_BYTES = 1 << 20
+
+
+def _write_refused(where: str | os.PathLike) -> int | None:
+    """The errno (of DISK_FULL) with which a PROBE_BYTES write into the folder ``where`` (or
+    the folder of the file ``where``) fails, or None where it succeeds or fails otherwise; the
+    probe file is removed."""
+    import tempfile
+
+    folder = where if os.path.isdir(where) else os.path.dirname(os.fspath(where)) or "."
+    try:
+        fd, name = tempfile.mkstemp(prefix=".disk-probe-", dir=folder)
+    except OSError as exc:
+        return exc.errno if exc.errno in DISK_FULL else None
+    try:
+        try:
+            left = memoryview(bytes(PROBE_BYTES))
+            while left:  # a write near a limit may be short; the next one fails
+                left = left[os.write(fd, left) :]
+            os.fsync(fd)  # some file systems report a quota only as the data is written
+        finally:
+            os.close(fd)  # or only at the close (NFS)
+    except OSError as exc:
+        return exc.errno if exc.errno in DISK_FULL else None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+    return None
 
 
 class UserError(Exception):

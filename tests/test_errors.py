@@ -2,6 +2,7 @@
 non-zero exit, and no partial artifact."""
 
 import json
+import re
 
 import pytest
 import tiny
@@ -239,3 +240,38 @@ def test_a_collective_that_lost_another_process_is_one_line_only_in_a_job_of_sev
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         raising(gloo)()
+
+
+def test_torch_saves_failure_under_a_file_size_limit_is_found_by_a_probe_write(tmp_path):
+    """A limit that free space does not show (here a real RLIMIT_FSIZE of 512 KiB, SIGXFSZ
+    ignored, in a child process; a quota the same way): torch.save of a larger state fails with
+    torch's own RuntimeError while the disk has room, and as_disk_full's probe write into the
+    folder finds the limit (EFBIG, torch's line kept, the probe file removed); the same error
+    without the limit, the probe written, is not a full disk."""
+    import subprocess
+    import sys
+
+    child = r"""
+import errno, resource, signal, sys, torch
+from eagle3lib import errors
+folder = sys.argv[1]
+try:
+    torch.save({"a": torch.zeros(1)}, folder + "/small.pt")
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
+    torch.save({"a": torch.zeros(300_000)}, folder + "/state.pt")
+except RuntimeError as exc:
+    full = errors.as_disk_full(exc, folder)
+    print(errno.errorcode[full.errno], full.filename == folder, full.strerror, sep="|")
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+print(errors.as_disk_full(RuntimeError("file write failed"), folder))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, named, strerror = proc.stdout.splitlines()[0].split("|")
+    assert (code, named) == ("EFBIG", "True")
+    assert re.fullmatch(r"File too large \(torch: .*unexpected pos \d+ vs \d+\)", strerror)
+    assert proc.stdout.splitlines()[1] == "None"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.pt", "state.pt"]  # no probe
