@@ -192,6 +192,8 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
             if (staging / str(epoch)).is_dir():
                 swap_in(staging / str(epoch), root / str(epoch))
             shutil.rmtree(staging, ignore_errors=True)
+            if warned:
+                return
             saved = [p for p in (root / str(epoch)).rglob("*") if p.is_file()]
             line = disk_warning(
                 sum(p.stat().st_size for p in saved),
@@ -199,7 +201,7 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
                 trainer.config.num_epochs - epoch - 1,
                 root,
             )
-            if line and not warned:
+            if line:
                 warned.append(line)
                 print(line, file=sys.stderr, flush=True)
 
