@@ -316,6 +316,9 @@ def collect(run_dir: Path) -> dict:
         processes=summary.get("processes"),
         graph_step=summary.get("graph_step"),
         gpu_memory_peak_bytes=summary.get("gpu_memory_peak_bytes"),
+        phase_seconds=summary.get("phase_seconds"),
+        first_step_seconds=summary.get("first_step_seconds"),
+        compile_seconds=summary.get("compile_seconds"),
     )
     metrics = [
         json.loads(line)
@@ -481,6 +484,35 @@ def disk_report(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def train_phases(job: dict) -> str:
+    """The train job's loop split by phase (its summary's phase_seconds, first_step_seconds),
+    or nothing for a summary without them (written before they were recorded)."""
+    phases = job.get("phase_seconds")
+    if not phases:
+        return ""
+    order = ["steps", "saves", "validation", "best"]  # eagle3lib.streaming_trainer.PHASES
+    first, compiling = job.get("first_step_seconds"), job.get("compile_seconds")
+    return (
+        (f"; first step {first:.1f} s" if first is not None else "")
+        + (f"; torch.compile {compiling:.1f} s" if compiling is not None else "")
+    ) + (
+        "; "
+        + ", ".join(
+            f"{name} {phases[name]:.1f} s"
+            for name in sorted(phases, key=lambda n: order.index(n) if n in order else len(order))
+        )
+    )
+
+
+def card_tag(names: list[str], gpus: int) -> str:
+    """The keys' name for the cards a run used: h100 or h200 (from the machine's GPU names, as
+    torch gives them), "gpu" for another card or a mix, with the count before it for several
+    (2xh200)."""
+    kinds = {m.group(0).lower() if (m := re.search(r"H[12]00", n)) else "gpu" for n in names}
+    card = kinds.pop() if len(kinds) == 1 else "gpu"
+    return card if gpus <= 1 else f"{gpus}x{card}"
+
+
 def report(result: dict, a) -> None:
     wf = result["workflow"]
     jobs = wf["jobs"]
@@ -514,9 +546,10 @@ def report(result: dict, a) -> None:
                     if (peak := job["gpu_memory_peak_bytes"])
                     else ""
                 )
+                + train_phases(job)
             )
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
-    tag = "cpu" if a.smoke else ("h200" if a.gpus <= 1 else f"{a.gpus}xh200")
+    tag = "cpu" if a.smoke else card_tag(result.get("machine", {}).get("gpus", []), a.gpus)
     # true and false take their own keys beside the default's
     tag += {"auto": "", "true": ".graph_step", "false": ".eager_step"}[a.graph_step]
     ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs
@@ -548,6 +581,11 @@ def report(result: dict, a) -> None:
         )
         if peak := jobs["train"].get("gpu_memory_peak_bytes"):
             lines[f"workflow.{tag}.train.peak_reserved_gib"] = round(peak["reserved"] / 2**30, 2)
+        for figure in ("first_step_seconds", "compile_seconds"):
+            if (value := jobs["train"].get(figure)) is not None:
+                lines[f"workflow.{tag}.train.{figure}"] = round(value, 1)
+        for phase, seconds in (jobs["train"].get("phase_seconds") or {}).items():
+            lines[f"workflow.{tag}.train.{phase}_seconds"] = round(seconds, 1)
     bench = result.get("bench_extract")
     # the isolated run's rate to compare with: once compiled, where it compiled (its compiling
     # is a fixed cost of the run, not of the rate a long job or a shared GPU sees)

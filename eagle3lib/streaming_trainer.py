@@ -137,6 +137,44 @@ def first_step_line(
     )
 
 
+# the trainer's methods a run's time is split into, by the name each phase is reported under
+PHASES = {
+    "train_epoch": "steps",
+    "maybe_save_checkpoint": "saves",
+    "val_epoch": "validation",
+    "maybe_update_best": "best",
+}
+
+
+class PhaseClock:
+    """Host seconds a trainer spends in each of ``PHASES``' methods, each phase's own: a save
+    inside an epoch (a mid-epoch checkpoint, a stop) counts as a save, not as steps."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES.values(), 0.0)
+        self._inner: list[float] = []  # per open phase: the seconds of phases opened inside it
+
+    def time(self, trainer) -> None:
+        """Time ``trainer``'s phase methods from here on (as they resolve now: call it where
+        the run's patches are in place)."""
+        for method, phase in PHASES.items():
+            setattr(trainer, method, self._timed(phase, getattr(trainer, method)))
+
+    def _timed(self, phase: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self._inner.append(0.0)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                total = time.perf_counter() - start
+                self.seconds[phase] += total - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += total
+
+        return timed
+
+
 class TrainingProgress:
     """Prints ``first_step_line`` to stderr after the first step, then ``progress_line`` every
     ``every`` seconds and after the last step, its pace measured from the end of the first

@@ -30,6 +30,7 @@ from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_js
 from eagle3lib.graphed_step import decide as decide_graph_step
 from eagle3lib.speculators_compat import cpu_trainer_patches, speculators_patches
 from eagle3lib.streaming_trainer import (
+    PhaseClock,
     StreamingTrainer,
     starved_line,
     thread_schedstat,
@@ -356,6 +357,8 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
                 "fp32_state", "staged_saves",
                 checkpointer=trainer.checkpointer, trainer=trainer, rank=rank,
             ):  # fmt: skip
+                trainer.phase_clock = PhaseClock()
+                trainer.phase_clock.time(trainer)
                 trainer.run_training()
     finally:
         metric_logger.removeHandler(recorder)
@@ -495,10 +498,37 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         }
         if torch.cuda.is_available()
         else None,
+        # where the run's host time went: each phase's own seconds (PHASES), and (rank 0 of
+        # StreamingTrainer) the seconds to the end of the first step, set-up and any
+        # compilation or graph capture included
+        "phase_seconds": {k: round(v, 3) for k, v in trainer.phase_clock.seconds.items()},
+        "compile_seconds": compile_seconds(),  # within the phases (torch.compile on a GPU)
+        "first_step_seconds": round(progress.first - progress.start, 3)
+        if (progress := getattr(trainer, "progress", None)) and progress.steps_run
+        else None,
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds
         else None,
     }
+
+
+def compile_seconds() -> float | None:
+    """Seconds this process spent in torch.compile so far: dynamo's tracing and inductor's
+    forward compiles (``_compile.compile_inner``), and the backward compiles that run at the
+    first backward (``...bw_compiler``); from torch's own timers (``torch._dynamo.utils``,
+    not a public API: None where they are missing). Cache hits count the time they took."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return None
+    return round(
+        sum(
+            sum(times)
+            for name, times in compilation_time_metrics.items()
+            if name == "_compile.compile_inner" or name.endswith("bw_compiler")
+        ),
+        3,
+    )
 
 
 def last_epoch_dir(state_dir: Path) -> Path | None:

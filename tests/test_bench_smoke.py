@@ -316,6 +316,7 @@ def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) ->
     job = EXTRACT_JOB
     jobs = {"extract-0": job, "extract-1": dict(job, tokens_per_s=20_000.0)}
     result = {
+        "machine": {"gpus": ["NVIDIA H200"] * gpus},
         "wall_seconds": 200.0,
         "workflow": {"jobs": jobs, "extract_tokens": 3_600_000, **workflow},
         "bench_extract": {
@@ -358,6 +359,7 @@ def test_workflow_gpu_reports_the_train_jobs_step_and_peak_memory(capsys, graphe
         "graph_step": graphed, "gpu_memory_peak_bytes": peak,
     }  # fmt: skip
     result = {
+        "machine": {"gpus": ["NVIDIA H200"]},
         "wall_seconds": 400.0,
         "workflow": {
             "jobs": {"extract-0": EXTRACT_JOB, "train": train},
@@ -376,6 +378,59 @@ def test_workflow_gpu_reports_the_train_jobs_step_and_peak_memory(capsys, graphe
     assert row.endswith(note), row
     peaks = [line for line in out.splitlines() if ".peak_reserved_gib = " in line]
     assert peaks == ([key] if key else []), peaks
+
+
+def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
+    """The train row and keys give the summary's phase_seconds and first_step_seconds: where a
+    short job's time beside its steady steps goes (compiling, saves, validation)."""
+    from types import SimpleNamespace
+
+    train = {
+        "tokens": 1_450_000, "tokens_per_s": 7_500.0, "wall_seconds": 194.0,
+        "model_load_seconds": None, "loop_seconds": 147.8, "loop_tokens_per_s": 9_817.0,
+        "steady_tokens_per_s": 55_000.0, "data_wait_fraction": 0.003, "graph_step": True,
+        "gpu_memory_peak_bytes": None, "first_step_seconds": 61.04, "compile_seconds": 48.26,
+        "phase_seconds": {"best": 0.04, "saves": 21.46, "steps": 88.0, "validation": 30.0},
+    }  # fmt: skip
+    result = {
+        "machine": {"gpus": ["NVIDIA H100 80GB HBM3"]},
+        "wall_seconds": 356.0,
+        "workflow": {"jobs": {"extract-0": EXTRACT_JOB, "train": train},
+                     "extract_tokens": 1_800_000, "extract_window_seconds": 80.0},
+        "bench_extract": None,
+    }  # fmt: skip
+    a = SimpleNamespace(
+        smoke=False, gpus=1, storage="bf16", jobs_per_gpu=1, compile="false", until=None,
+        epochs=2, graph_step="auto",
+    )  # fmt: skip
+    workflow_gpu_module().report(result, a)
+    out = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in out if line.startswith("| train |")]
+    assert row.endswith(
+        "step graphed; first step 61.0 s; torch.compile 48.3 s; steps 88.0 s, saves 21.5 s, "
+        "validation 30.0 s, best 0.0 s |"
+    ), row
+    keys = [line for line in out if line.startswith("workflow.h100.train.")]
+    for key in ("first_step_seconds = 61.0", "compile_seconds = 48.3", "steps_seconds = 88.0", "saves_seconds = 21.5",
+                "validation_seconds = 30.0", "best_seconds = 0.0"):  # fmt: skip
+        assert f"workflow.h100.train.{key}" in keys, keys
+
+
+@pytest.mark.parametrize(
+    ("names", "gpus", "tag"),
+    [
+        (["NVIDIA H200"], 1, "h200"),
+        (["NVIDIA H100 80GB HBM3"], 1, "h100"),
+        (["NVIDIA H200", "NVIDIA H200"], 2, "2xh200"),
+        (["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"], 1, "h100"),  # one of two used
+        (["NVIDIA H100 80GB HBM3", "NVIDIA H200"], 2, "2xgpu"),  # a mix
+        (["NVIDIA A100-SXM4-80GB"], 1, "gpu"),
+        ([], 1, "gpu"),
+    ],
+)
+def test_workflow_gpu_names_its_keys_after_the_card_it_ran_on(names, gpus, tag):
+    """An H100 run's figures must not land under h200 keys (a lent H200 may come as an H100)."""
+    assert workflow_gpu_module().card_tag(names, gpus) == tag
 
 
 def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):

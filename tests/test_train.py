@@ -26,11 +26,58 @@ def test_training_runs_and_records_loss_curves(pipeline):
     assert all(math.isfinite(x) for x in curves["train_loss"])
     assert [v["epoch"] for v in curves["val"]] == [0, 1]
     assert curves["step"] == list(range(len(curves["step"])))
+    # where the run's time went: steps, a save and a validation per epoch, within the run
+    phases = stats["phase_seconds"]
+    assert phases.keys() == {"steps", "saves", "validation", "best"}, phases
+    assert min(phases["steps"], phases["saves"], phases["validation"]) > 0, phases
+    assert sum(phases.values()) <= stats["seconds"], (phases, stats["seconds"])
+    assert 0 < stats["first_step_seconds"] < phases["steps"] + phases["saves"], stats
     # the training thread's time over the run (Linux's schedstat): it trained on a core here
     if streaming_trainer.thread_schedstat() is not None:
         thread = stats["training_thread"]
         assert 0.05 < thread["cpu_fraction"] <= 1.01, thread
         assert 0 <= thread["runqueue_wait_fraction"] <= 1.01 - thread["cpu_fraction"], thread
+
+
+def test_compile_seconds_count_the_forward_and_backward_compiles():
+    """The summary's compile_seconds: torch.compile's time in this process, the backward's
+    compile (at the first backward) included."""
+    before = train.compile_seconds()
+    f = torch.compile(lambda x: (x * 3.5).cos().sum())
+    x = torch.randn(5, requires_grad=True)
+    loss = f(x)
+    forward = train.compile_seconds()
+    loss.backward()
+    assert before < forward < train.compile_seconds(), (before, forward)
+
+
+def test_phase_clock_gives_a_save_inside_an_epoch_to_the_saves(monkeypatch):
+    """Each phase counts its own time: a mid-epoch save is the saves', not the steps'."""
+    now = [0.0]
+
+    class Trainer:
+        def train_epoch(self):
+            now[0] += 1
+            self.maybe_save_checkpoint()
+            now[0] += 2
+
+        def maybe_save_checkpoint(self):
+            now[0] += 5
+
+        def val_epoch(self):
+            now[0] += 3
+
+        def maybe_update_best(self):
+            return "best"
+
+    monkeypatch.setattr(streaming_trainer.time, "perf_counter", lambda: now[0])
+    trainer, clock = Trainer(), streaming_trainer.PhaseClock()
+    clock.time(trainer)
+    trainer.train_epoch()
+    trainer.maybe_save_checkpoint()
+    trainer.val_epoch()
+    assert trainer.maybe_update_best() == "best"
+    assert clock.seconds == {"steps": 3, "saves": 10, "validation": 3, "best": 0}
 
 
 def test_the_training_threads_time_on_a_core_is_its_cpu_time():
