@@ -16,6 +16,15 @@ F = TypeVar("F", bound=Callable[..., object])
 
 # A write that fails for want of space: the disk, the quota, or a file size limit.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# What to do about each, after the folder or file and the system's own words (``cli``)
+DISK_FULL_ADVICE = {
+    errno.ENOSPC: "free disk space or point the results elsewhere, then rerun",
+    errno.EDQUOT: "free space within your disk quota (or have it raised) or point the results "
+    "elsewhere, then rerun",
+    errno.EFBIG: "a file reached the largest size allowed to this process (the shell's "
+    "`ulimit -f`) or to the file system: raise the limit or point the results at another file "
+    "system, then rerun",
+}
 
 
 # What to change when a job's GPU runs out of memory, by the job's script (its file name).
@@ -150,8 +159,7 @@ def cli(main: F) -> F:
                 raise
             where = exc.filename or "results"
             print(
-                f"error: {where}: {exc.strerror}; free disk space (or raise the quota) or "
-                "point the results elsewhere, then rerun",
+                f"error: {where}: {exc.strerror}; {DISK_FULL_ADVICE[exc.errno]}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,7 +1,9 @@
 """Bad input through the real workflow: a one-line error naming the file, line or key, a
 non-zero exit, and no partial artifact."""
 
+import errno
 import json
+import os
 import re
 
 import pytest
@@ -161,7 +163,6 @@ def test_a_librarys_failed_write_is_a_full_disk_only_when_it_is(tmp_path, monkey
     and safetensors' "os error 28" are a full disk; torch's zip writer failing is one only
     while the folder's disk is (nearly) full, with torch's line kept; another error, or an
     OSError of another kind, is not one, full disk or not."""
-    import errno
     import shutil
     from collections import namedtuple
 
@@ -242,6 +243,32 @@ def test_a_collective_that_lost_another_process_is_one_line_only_in_a_job_of_sev
         raising(gloo)()
 
 
+@pytest.mark.parametrize(
+    ("code", "advice"),
+    [
+        (errno.ENOSPC, "No space left on device; free disk space or point the results "
+         "elsewhere, then rerun"),
+        (errno.EDQUOT, "Disk quota exceeded; free space within your disk quota (or have it "
+         "raised) or point the results elsewhere, then rerun"),
+        (errno.EFBIG, "File too large; a file reached the largest size allowed to this process "
+         "(the shell's `ulimit -f`) or to the file system: raise the limit or point the results "
+         "at another file system, then rerun"),
+    ],
+)  # fmt: skip
+def test_a_full_disk_quota_or_file_size_limit_each_says_what_to_do(code, advice, capsys):
+    """errors.cli: one line naming the file, the system's words and what to do about that
+    cause (a quota is not freed like a disk; a file size limit is raised, not freed)."""
+    from eagle3lib import errors
+
+    def main():
+        raise OSError(code, os.strerror(code), "results/run/train/state")
+
+    with pytest.raises(SystemExit) as stopped:
+        errors.cli(main)()
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == f"error: results/run/train/state: {advice}\n"
+
+
 def test_torch_saves_failure_under_a_file_size_limit_is_found_by_a_probe_write(tmp_path):
     """A limit that free space does not show (here a real RLIMIT_FSIZE of 512 KiB, SIGXFSZ
     ignored, in a child process; a quota the same way): torch.save of a larger state fails with
@@ -275,3 +302,31 @@ print(errors.as_disk_full(RuntimeError("file write failed"), folder))
     assert re.fullmatch(r"File too large \(torch: .*unexpected pos \d+ vs \d+\)", strerror)
     assert proc.stdout.splitlines()[1] == "None"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.pt", "state.pt"]  # no probe
+
+
+def test_atomic_path_asks_about_a_full_disk_while_the_half_written_file_holds_its_space(
+    tmp_path, monkeypatch
+):
+    """fileio.atomic_path: a failed write is looked at (as_disk_full's probe) before the
+    half-written temporary file is removed, so a quota it filled is still full then; the file
+    is removed afterwards and the full disk raised naming the target."""
+    from eagle3lib import fileio
+
+    seen = {}
+
+    def as_disk_full(exc, where):
+        seen["temporary files"] = sorted(p.name for p in tmp_path.iterdir())
+        return OSError(errno.EDQUOT, "Disk quota exceeded", str(where))
+
+    monkeypatch.setattr(fileio, "as_disk_full", as_disk_full)
+    target = tmp_path / "shard.safetensors"
+    with (
+        pytest.raises(OSError, match="Disk quota exceeded") as raised,
+        fileio.atomic_path(target) as tmp,
+    ):
+        tmp.write_bytes(b"x" * 100)
+        raise RuntimeError("unexpected pos 100 vs 64")
+    assert raised.value.filename == str(target)
+    [name] = seen["temporary files"]
+    assert name.startswith(".shard.safetensors.tmp-"), seen
+    assert list(tmp_path.iterdir()) == []  # removed after

@@ -558,8 +558,8 @@ def test_disk_full_while_saving_a_training_checkpoint_is_one_line(pipeline, tmp_
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
         assert re.fullmatch(
-            rf"error: {re.escape(str(disk / 'state'))}: {what}; free disk space \(or raise the "
-            r"quota\) or point the results elsewhere, then rerun",
+            rf"error: {re.escape(str(disk / 'state'))}: {what}; free disk space or point the "
+            r"results elsewhere, then rerun",
             last,
         ), proc.stderr[-3000:]
         left = sorted(p.name for p in (disk / "state").iterdir())
@@ -585,8 +585,8 @@ def test_disk_full_in_a_job_of_two_processes_is_one_line_on_each(pipeline, tmp_p
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0] == (
-        f"error: {disk / 'state'}: No space left on device; free disk space (or raise the "
-        "quota) or point the results elsewhere, then rerun"
+        f"error: {disk / 'state'}: No space left on device; free disk space or point the "
+        "results elsewhere, then rerun"
     ), proc.stderr[-3000:]
     assert all(line.startswith("error: rank 1: another process") for line in errors[1:]), errors
     assert re.search(r"^torchrun: rank 0 \(pid \d+\) exited with status 1, the first$",
