@@ -413,9 +413,7 @@ def main() -> None:
     log(f"verifier: {result['verifier']}")
     free = shutil.disk_usage(ROOT).free
     if a.tokens is None:  # as much as the disk holds beside the training state
-        # 24 GB kept free: with 12 GB a 2-epoch run on one H200 (64 GiB disk) filled the disk
-        # writing its second epoch's optimiser state (2026-12-05); `disk:` logs where it went
-        a.tokens = int((free - 24e9) / BYTES_PER_TOKEN[a.storage])
+        a.tokens = int((free - disk_reserve(a.epochs)) / BYTES_PER_TOKEN[a.storage])
     result["args"] = {k: str(v) for k, v in vars(a).items()}
     result["disk_free_gb_before_workflow"] = round(free / 1e9, 1)
 
@@ -482,6 +480,20 @@ def disk_report(run_dir: Path) -> dict[str, float]:
         out[f"train/state/{state.name}"] = used(state)
     out["free"] = round(shutil.disk_usage(run_dir.parent).free / 1e9, 1)
     return out
+
+
+# The one-layer draft's training state of an epoch (model, optimiser), each epoch's kept
+# (measured on an H100, 2026-12-06: 4.98 GB), and what a run writes beside its shards and
+# states (the exported checkpoint, 1.9 GB; logs, reports, vocab; a margin)
+STATE_BYTES_PER_EPOCH = 5e9
+OTHER_BYTES = 9e9
+
+
+def disk_reserve(epochs: int) -> float:
+    """Bytes to leave free beside the shards for ``epochs`` epochs: each one's state, one more
+    staged while the last is saved, and the rest (with 12 GB for 2 epochs a run on one H200
+    filled the disk writing its second epoch's optimiser state, 2026-12-05)."""
+    return OTHER_BYTES + STATE_BYTES_PER_EPOCH * (epochs + 1)
 
 
 def train_phases(job: dict) -> str:

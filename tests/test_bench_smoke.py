@@ -416,6 +416,13 @@ def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
         assert f"workflow.h100.train.{key}" in keys, keys
 
 
+def test_workflow_gpu_leaves_room_for_every_epochs_training_state():
+    """Without --tokens the shards take the disk but this: 24 GB for 2 epochs (what a 2-epoch
+    run needed, 2026-12-05/06), 5 GB more for each further epoch's state."""
+    module = workflow_gpu_module()
+    assert [module.disk_reserve(e) for e in (1, 2, 4)] == [19e9, 24e9, 34e9]
+
+
 @pytest.mark.parametrize(
     ("names", "gpus", "tag"),
     [
