@@ -13,13 +13,16 @@
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
-# does not stop the rest. collect takes the bench_*.json files of the folder after --out; after
-# each command the other files under /tmp/o, workflow_gpu.py's default verifier folder and the
-# runs' shards and training state are deleted (the disk for the next command).
+# does not stop the rest. collect takes the bench_*.json files of the folder after --out, and
+# of a workflow run (--run RUN) its jobs' logs and the train job's summary.json and
+# metrics.jsonl; after each command the other files under /tmp/o, workflow_gpu.py's default
+# verifier folder and the runs' shards and training state are deleted (the disk for the next
+# command; the training metrics first move to the run's train/ folder).
 # A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
 set -euo pipefail
-Q=/tmp/gpuq
-REPO=/tmp/repo
+Q=${GPUQ_DIR:-/tmp/gpuq}
+REPO=${GPUQ_REPO:-/tmp/repo}
+OUTS=${GPUQ_OUTS:-/tmp/o} # the entries' --out folders (all three set otherwise only by tests)
 
 entries() { grep -v '^[[:space:]]*\(#\|$\)' "$Q/queue"; }
 
@@ -54,8 +57,12 @@ run) # the background part of start
     echo "$rc" >"$Q/$name.rc"
     date +%s >"$Q/$name.end"
     # the disk for the next command (one 8B-shape verifier and its shards fill most of a 64 GiB
-    # disk): the large files go; what collect takes (bench_*.json files, logs) stays
-    find /tmp/o -type f ! -name 'bench_*.json' -delete 2>/dev/null || true
+    # disk): the large files go; what collect takes (bench_*.json files, logs) stays, and a
+    # workflow run's training metrics move out of the state folder first
+    find "$OUTS" -type f ! -name 'bench_*.json' -delete 2>/dev/null || true
+    for metrics in "$REPO"/results/*/train/state/metrics.jsonl; do
+      if [ -f "$metrics" ]; then mv "$metrics" "${metrics%/state/metrics.jsonl}/metrics.jsonl"; fi
+    done
     rm -rf /tmp/workflow_gpu/verifier "$REPO"/results/*/hidden_states "$REPO"/results/*/train/state
   done < <(entries)
   touch "$Q/all-done"
@@ -88,13 +95,21 @@ collect)
     cp "$Q/$name".* "$staged/$name/"
     out=$(sed -n 's/.*--out[= ]\([^ ]*\).*/\1/p' <<<"$command")
     if [ -n "$out" ]; then cp "$out"/bench_*.json "$staged/$name/" 2>/dev/null || true; fi
+    # a workflow run (workflow_gpu.py --run RUN): its jobs' logs and the train job's summary
+    # and metrics, as NAME/run/
+    run=$(sed -n 's/.*--run[= ]\([^ ]*\).*/\1/p' <<<"$command")
+    if [ -n "$run" ] && [ -d "$REPO/results/$run" ]; then
+      mkdir -p "$staged/$name/run"
+      cp -r "$REPO/results/$run/logs" "$staged/$name/run/" 2>/dev/null || true
+      cp "$REPO/results/$run"/train/{summary.json,metrics.jsonl} "$staged/$name/run/" 2>/dev/null || true
+    fi
   done < <(entries)
   cp "$Q/lscpu.txt" "$staged/" 2>/dev/null || true
   tar -czf "$OUT/results.tgz" -C "$staged" .
   rm -rf "$staged"
   ;;
 *)
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,21p' "$0" >&2
   exit 2
   ;;
 esac

@@ -1,6 +1,7 @@
 """bench/train.py's summary: which runs pair up and what the keys report."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -445,3 +446,57 @@ def test_repeated_runs_of_a_step_report_how_far_their_losses_drift_apart(bench):
     assert "train.h100.ours_ffd.repeat.max_loss_relative_difference = 0.01000" in lines
     assert summary["ours_ffd_graph.repeat"]["max_loss_relative_difference"] == 0.0
     assert "ours_muon_ffd.repeat" not in summary
+
+
+def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_metrics(tmp_path):
+    """bench/gpu_queue.sh's run and collect (start, which copies the tree and installs wheels,
+    is for the GPU machine): every entry runs though one fails; after each, a run's shards and
+    training state are deleted, its training metrics moved out first; collect packs each
+    entry's log and exit status, an --out folder's bench_*.json files, and a workflow run's
+    (--run RUN) logs, train summary and metrics."""
+    import subprocess
+    import tarfile
+
+    repo, queue_dir, out = tmp_path / "repo", tmp_path / "gpuq", tmp_path / "out"
+    repo.mkdir()
+    queue_dir.mkdir()
+    out.mkdir()
+    bench_out = tmp_path / "o" / "b"
+    make_run = (
+        "r=results/wfx && mkdir -p $r/logs $r/train/state $r/hidden_states"
+        " && echo train-log > $r/logs/train.log && echo '{}' > $r/train/summary.json"
+        " && echo '{\"step\": 1}' > $r/train/state/metrics.jsonl"
+        " && echo shard > $r/hidden_states/shard-0.safetensors"
+    )
+    (queue_dir / "queue").write_text(
+        "# a comment\n"
+        f"wf {make_run} && echo done  # --run wfx\n"
+        f"broken false --out {tmp_path / 'o' / 'x'}\n"
+        f"bench mkdir -p {bench_out} && echo '{{}}' > {bench_out}/bench_train.json --out {bench_out}\n"
+    )
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "profile.json").write_text("{}")  # not a bench_*.json: deleted
+    env = dict(os.environ, GPUQ_DIR=str(queue_dir), GPUQ_REPO=str(repo),
+               GPUQ_OUTS=str(tmp_path / "o"), OUT=str(out))  # fmt: skip
+    script = str(ROOT / "bench" / "gpu_queue.sh")
+    subprocess.run([script, "run"], env=env, check=True, timeout=60)
+    waited = subprocess.run(
+        [script, "wait", "1"], env=env, check=True, capture_output=True, text=True
+    )
+    assert [line.split(" after ")[0] for line in waited.stdout.splitlines()] == [
+        "wf: exit 0", "broken: exit 1", "bench: exit 0",
+    ]  # fmt: skip
+    assert not (repo / "results/wfx/hidden_states").exists()
+    assert not (repo / "results/wfx/train/state").exists()
+    assert not (tmp_path / "o" / "profile.json").exists()
+    assert (bench_out / "bench_train.json").exists()
+    subprocess.run([script, "collect"], env=env, check=True, timeout=60)
+    with tarfile.open(out / "results.tgz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+        metrics = tar.extractfile("./wf/run/metrics.jsonl").read()
+    assert {
+        "wf/wf.log", "wf/wf.rc", "wf/run/logs/train.log", "wf/run/summary.json",
+        "wf/run/metrics.jsonl", "broken/broken.rc", "bench/bench_train.json",
+    } <= names, names  # fmt: skip
+    assert metrics == b'{"step": 1}\n'
+    assert not [n for n in names if "shard" in n or n.startswith("broken/bench_")], names
