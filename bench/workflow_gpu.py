@@ -497,23 +497,12 @@ def disk_reserve(epochs: int) -> float:
 
 
 def train_phases(job: dict) -> str:
-    """The train job's loop split by phase (its summary's phase_seconds, first_step_seconds),
-    or nothing for a summary without them (written before they were recorded)."""
-    phases = job.get("phase_seconds")
-    if not phases:
-        return ""
-    order = ["steps", "saves", "validation", "best"]  # eagle3lib.streaming_trainer.PHASES
-    first, compiling = job.get("first_step_seconds"), job.get("compile_seconds")
-    return (
-        (f"; first step {first:.1f} s" if first is not None else "")
-        + (f"; torch.compile {compiling:.1f} s" if compiling is not None else "")
-    ) + (
-        "; "
-        + ", ".join(
-            f"{name} {phases[name]:.1f} s"
-            for name in sorted(phases, key=lambda n: order.index(n) if n in order else len(order))
-        )
-    )
+    """The train job's loop split by phase (its summary's phase_seconds, first_step_seconds,
+    compile_seconds, as the report gives them), or nothing for a summary without them."""
+    from eagle3lib.report_text import training_time
+
+    split = training_time(job)
+    return f"; {split}" if split else ""
 
 
 def card_tag(names: list[str], gpus: int) -> str:

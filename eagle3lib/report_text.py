@@ -53,6 +53,45 @@ def training_row(training: dict[str, Any]) -> list[str]:
     ]
 
 
+# the train summary's phase_seconds (eagle3lib.streaming_trainer.PHASES), in the order they run
+PHASE_LABELS = {
+    "steps": "steps",
+    "saves": "saves",
+    "validation": "validation",
+    "best": "marking the best epoch",
+}
+
+
+def training_time(training: dict[str, Any]) -> str | None:
+    """Where the train job's time went, from its summary's ``phase_seconds``, with the first
+    step and torch.compile's time inside the steps; None for a summary without them."""
+    phases = training.get("phase_seconds")
+    if not phases:
+        return None
+    first, compiling = training.get("first_step_seconds"), training.get("compile_seconds")
+    inside = [f"the first {first:.1f} s"] if first is not None else []
+    inside += [f"torch.compile {compiling:.1f} s in all"] if compiling else []
+    parts = [
+        f"{PHASE_LABELS.get(name, name)} {phases[name]:.1f} s"
+        + (f" ({', '.join(inside)})" if name == "steps" and inside else "")
+        for name in [*PHASE_LABELS, *sorted(set(phases) - set(PHASE_LABELS))]
+        if name in phases
+    ]
+    return ", ".join(parts)
+
+
+def training_time_row(training: dict[str, Any]) -> list[str]:
+    """The train job's time by phase, as a row of the summary's table; what the phases leave
+    of the run's seconds is the trainer's set-up (model, optimiser) and the rest."""
+    split = training_time(training)
+    if split is None:
+        return []
+    rest = training["seconds"] - sum(training["phase_seconds"].values())
+    return [
+        f"| training time | {training['seconds']:.1f} s: {split}, set-up and the rest {rest:.1f} s |"
+    ]
+
+
 def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:
     """[eval set, k, acceptance length, per-position acceptance, per-token accuracy, share of
     generated tokens outside the draft's vocabulary, prompts, steps] per result."""
@@ -140,6 +179,7 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         f"{truncated_note(data)} |",
         *sources_row(data),
         *training_row(summary["training"]),
+        *training_time_row(summary["training"]),
         *overlap_row(data),
         f"| hidden-state tokens / bytes | {hidden['tokens']} / {hidden['bytes']:,} |",
         f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",

@@ -41,13 +41,21 @@ def test_training_runs_and_records_loss_curves(pipeline):
 
 def test_compile_seconds_count_the_forward_and_backward_compiles():
     """The summary's compile_seconds: torch.compile's time in this process, the backward's
-    compile (at the first backward) included."""
+    compile (at the first backward) included. torch's compile caches are off here: a cached
+    graph (an earlier run's, on this machine) brings its backward along with the forward."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
     before = train.compile_seconds()
-    f = torch.compile(lambda x: (x * 3.5).cos().sum())
-    x = torch.randn(5, requires_grad=True)
-    loss = f(x)
-    forward = train.compile_seconds()
-    loss.backward()
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        f = torch.compile(lambda x: (x * 3.5).cos().sum())
+        x = torch.randn(5, requires_grad=True)
+        loss = f(x)
+        forward = train.compile_seconds()
+        loss.backward()
     assert before < forward < train.compile_seconds(), (before, forward)
 
 

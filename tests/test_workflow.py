@@ -135,6 +135,9 @@ def test_first_run_builds_checkpoint_and_report(ws):
         f"| training | {t['epochs']} epochs on {t['train_samples']} samples ({t['val_samples']} "
         f"held out for validation), {' and '.join(t['optimizers'])}, float32 on cpu |"
     ) in markdown
+    # the train job's time by phase, from its summary (on a CPU nothing compiles)
+    assert f"| training time | {t['seconds']:.1f} s: steps " in markdown
+    assert t["phase_seconds"]["steps"] > 0 and t["compile_seconds"] == 0.0, t
     assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
     for png in ("acceptance.png", "loss.png"):
         assert (ws.results / "reports" / png).read_bytes()[:4] == b"\x89PNG"
