@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -377,11 +378,20 @@ def main() -> None:
         print(f"{prefix}.bytes_per_token = {result['bytes_per_token']}")
 
 
+def card_tag(names: list[str], count: int = 1) -> str:
+    """The name benchmark keys give the cards a run used: h100 or h200 (from torch's device
+    names; a lent "H200" may come as an H100), "gpu" for another card or a mix, with the count
+    before it for several (2xh200)."""
+    kinds = {m.group(0).lower() if (m := re.search(r"H[12]00", n)) else "gpu" for n in names}
+    card = kinds.pop() if len(kinds) == 1 else "gpu"
+    return card if count <= 1 else f"{count}x{card}"
+
+
 def device_tag() -> str:
+    """This process's device in benchmark keys: cpu, or its first GPU's ``card_tag``."""
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name(0).lower()
-    return "h200" if "h200" in name else name.replace(" ", "_")
+    return card_tag([torch.cuda.get_device_name(0)])
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def main() -> None:
             f"| {v} | {rates} | {ratio:.3f} | {row.get('warmup_seconds', 0):.1f} | "
             f"{vs.get('max_abs', 0):.3g} / {vs.get('rel_l2', 0):.3g} |"
         )
-    tag = "cpu" if device.type == "cpu" else "h200"
+    tag = bench_extract.device_tag()
     for v, row in rows.items():
         key = v.replace("+", "_")
         print(f"forward.{tag}.{key}.tokens_per_s = {row['best_tokens_per_s']:.0f}")

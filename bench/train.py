@@ -210,6 +210,9 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from extract import device_tag  # noqa: E402
 
 from eagle3lib.config import TrainConfig, process_threads  # noqa: E402
 
@@ -1366,13 +1369,6 @@ def scaling_lines(results: list[dict], single: list[dict], processes: int, tag: 
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def device_tag() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0).lower()
-    return "h200" if "h200" in name else "gpu"
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:

@@ -505,15 +505,6 @@ def train_phases(job: dict) -> str:
     return f"; {split}" if split else ""
 
 
-def card_tag(names: list[str], gpus: int) -> str:
-    """The keys' name for the cards a run used: h100 or h200 (from the machine's GPU names, as
-    torch gives them), "gpu" for another card or a mix, with the count before it for several
-    (2xh200)."""
-    kinds = {m.group(0).lower() if (m := re.search(r"H[12]00", n)) else "gpu" for n in names}
-    card = kinds.pop() if len(kinds) == 1 else "gpu"
-    return card if gpus <= 1 else f"{gpus}x{card}"
-
-
 def report(result: dict, a) -> None:
     wf = result["workflow"]
     jobs = wf["jobs"]
@@ -550,7 +541,8 @@ def report(result: dict, a) -> None:
                 + train_phases(job)
             )
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
-    tag = "cpu" if a.smoke else card_tag(result.get("machine", {}).get("gpus", []), a.gpus)
+    names = result.get("machine", {}).get("gpus", [])
+    tag = "cpu" if a.smoke else bench_extract.card_tag(names, a.gpus)
     # true and false take their own keys beside the default's
     tag += {"auto": "", "true": ".graph_step", "false": ".eager_step"}[a.graph_step]
     ex = "extract.fp8" if a.storage == "fp8" else "extract"  # keys of fp8-shard runs

@@ -437,7 +437,7 @@ def test_workflow_gpu_leaves_room_for_every_epochs_training_state():
 )
 def test_workflow_gpu_names_its_keys_after_the_card_it_ran_on(names, gpus, tag):
     """An H100 run's figures must not land under h200 keys (a lent H200 may come as an H100)."""
-    assert workflow_gpu_module().card_tag(names, gpus) == tag
+    assert workflow_gpu_module().bench_extract.card_tag(names, gpus) == tag
 
 
 def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
