@@ -22,7 +22,9 @@
 set -euo pipefail
 Q=${GPUQ_DIR:-/tmp/gpuq}
 REPO=${GPUQ_REPO:-/tmp/repo}
-OUTS=${GPUQ_OUTS:-/tmp/o} # the entries' --out folders (all three set otherwise only by tests)
+OUTS=${GPUQ_OUTS:-/tmp/o}            # the entries' --out folders
+WORK=${GPUQ_WORK:-/tmp/workflow_gpu} # workflow_gpu.py's default --work (these four set otherwise
+#                                      only by tests/test_bench_train.py)
 
 entries() { grep -v '^[[:space:]]*\(#\|$\)' "$Q/queue"; }
 
@@ -63,7 +65,7 @@ run) # the background part of start
     for metrics in "$REPO"/results/*/train/state/metrics.jsonl; do
       if [ -f "$metrics" ]; then mv "$metrics" "${metrics%/state/metrics.jsonl}/metrics.jsonl"; fi
     done
-    rm -rf /tmp/workflow_gpu/verifier "$REPO"/results/*/hidden_states "$REPO"/results/*/train/state
+    rm -rf "$WORK/verifier" "$REPO"/results/*/hidden_states "$REPO"/results/*/train/state
   done < <(entries)
   touch "$Q/all-done"
   ;;

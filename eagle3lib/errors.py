@@ -70,8 +70,9 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
         nearly_full = shutil.disk_usage(where).free < NEARLY_FULL_BYTES
     except OSError:
         return None
-    # free space does not show a quota or a file size limit: a probe write does
-    code = errno.ENOSPC if nearly_full else _write_refused(where)
+    # free space does not show a quota or a file size limit: a probe write does, or a file
+    # that reached this process's file size limit (one above the probe's size lets it through)
+    code = errno.ENOSPC if nearly_full else (_write_refused(where) or _size_limit_reached(where))
     if code is None:
         return None
     detail = f"{os.strerror(code)} (torch: {first_line(exc)})"
@@ -81,6 +82,24 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
 # A write this size into the folder of a failed torch.save tells a quota or a file size limit
 # already reached (the half-written file still holds its space) from another failure.
 PROBE_BYTES = 1 << 20
+
+
+def _size_limit_reached(where: str | os.PathLike) -> int | None:
+    """EFBIG where this process has a file size limit (RLIMIT_FSIZE, the shell's `ulimit -f`)
+    that a file under the folder ``where`` (or the folder of the file ``where``) has reached:
+    the half-written one, still there; else None."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    folder = where if os.path.isdir(where) else os.path.dirname(os.fspath(where)) or "."
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                if os.path.getsize(os.path.join(root, name)) >= limit:
+                    return errno.EFBIG
+    return None
 
 
 def _write_refused(where: str | os.PathLike) -> int | None:

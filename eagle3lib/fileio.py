@@ -40,12 +40,13 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         os.replace(tmp, path)
         fsync_tree(path.parent, recursive=False)  # the rename itself
     except BaseException as exc:
-        # before the half-written file frees its space: a probe write still meets a quota
-        full = as_disk_full(exc, path) if isinstance(exc, Exception) else None
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        try:  # before the half-written file frees its space: a probe write still meets a quota
+            full = as_disk_full(exc, path) if isinstance(exc, Exception) else None
+        finally:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
         if full is not None and full is not exc:
             raise full from None  # a full disk, named by the file (errors.cli: one line)
         raise

@@ -62,34 +62,33 @@ PHASE_LABELS = {
 }
 
 
-def training_time(training: dict[str, Any]) -> str | None:
-    """Where the train job's time went, from its summary's ``phase_seconds``, with the first
-    step and torch.compile's time inside the steps; None for a summary without them."""
+def training_time(training: dict[str, Any], rest: bool = False) -> str | None:
+    """Where the train job's time went, from its summary's ``phase_seconds``, the first step
+    inside the steps; ``rest``: what the phases leave of its ``seconds`` (the trainer's
+    set-up, waits at barriers); then torch.compile's seconds, in whichever phase they fell.
+    None for a summary without them."""
     phases = training.get("phase_seconds")
     if not phases:
         return None
     first, compiling = training.get("first_step_seconds"), training.get("compile_seconds")
-    inside = [f"the first {first:.1f} s"] if first is not None else []
-    inside += [f"torch.compile {compiling:.1f} s in all"] if compiling else []
     parts = [
         f"{PHASE_LABELS.get(name, name)} {phases[name]:.1f} s"
-        + (f" ({', '.join(inside)})" if name == "steps" and inside else "")
+        + (f" (the first {first:.1f} s)" if name == "steps" and first is not None else "")
         for name in [*PHASE_LABELS, *sorted(set(phases) - set(PHASE_LABELS))]
         if name in phases
     ]
-    return ", ".join(parts)
+    if rest:
+        parts.append(f"set-up and the rest {training['seconds'] - sum(phases.values()):.1f} s")
+    split = ", ".join(parts)
+    return split + (f"; torch.compile {compiling:.1f} s of it" if compiling else "")
 
 
 def training_time_row(training: dict[str, Any]) -> list[str]:
-    """The train job's time by phase, as a row of the summary's table; what the phases leave
-    of the run's seconds is the trainer's set-up (model, optimiser) and the rest."""
-    split = training_time(training)
+    """The train job's time by phase, as a row of the summary's table."""
+    split = training_time(training, rest=True)
     if split is None:
         return []
-    rest = training["seconds"] - sum(training["phase_seconds"].values())
-    return [
-        f"| training time | {training['seconds']:.1f} s: {split}, set-up and the rest {rest:.1f} s |"
-    ]
+    return [f"| training time | {training['seconds']:.1f} s: {split} |"]
 
 
 def acceptance_rows(summary: dict[str, Any]) -> list[list[Any]]:

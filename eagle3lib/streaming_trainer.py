@@ -150,24 +150,35 @@ class PhaseClock:
     """Host seconds a trainer spends in each of ``PHASES``' methods, each phase's own: a save
     inside an epoch (a mid-epoch checkpoint, a stop) counts as a save, not as steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.seconds = dict.fromkeys(PHASES.values(), 0.0)
         self._inner: list[float] = []  # per open phase: the seconds of phases opened inside it
 
-    def time(self, trainer) -> None:
-        """Time ``trainer``'s phase methods from here on (as they resolve now: call it where
-        the run's patches are in place)."""
+    @contextlib.contextmanager
+    def timing(self, trainer):
+        """Time ``trainer``'s phase methods within the block (as they resolve at its start:
+        enter it where the run's patches are in place), then put back what was there."""
+        held = {m: trainer.__dict__[m] for m in PHASES if m in trainer.__dict__}
         for method, phase in PHASES.items():
             setattr(trainer, method, self._timed(phase, getattr(trainer, method)))
+        try:
+            yield self
+        finally:
+            for method in PHASES:
+                if method in held:
+                    setattr(trainer, method, held[method])
+                else:
+                    trainer.__dict__.pop(method, None)
 
     def _timed(self, phase: str, method):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             self._inner.append(0.0)
             try:
                 return method(*args, **kwargs)
             finally:
-                total = time.perf_counter() - start
+                total = self.clock() - start
                 self.seconds[phase] += total - self._inner.pop()
                 if self._inner:
                     self._inner[-1] += total

@@ -358,8 +358,8 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
                 checkpointer=trainer.checkpointer, trainer=trainer, rank=rank,
             ):  # fmt: skip
                 trainer.phase_clock = PhaseClock()
-                trainer.phase_clock.time(trainer)
-                trainer.run_training()
+                with trainer.phase_clock.timing(trainer):
+                    trainer.run_training()
     finally:
         metric_logger.removeHandler(recorder)
         recorder.close()
@@ -422,7 +422,7 @@ def train(
         model.register_forward_pre_hook(fp8_inputs(dtype), with_kwargs=True)
     loaders = _loaders(cfg, shard_paths, pairs, record["hidden_size"], len(aux), dtype, storage)
     trainer_config = _trainer_config(cfg, state_dir, runtime)
-    t0, sched0 = time.perf_counter(), thread_schedstat()
+    t0, sched0, compiled0 = time.perf_counter(), thread_schedstat(), compile_seconds()
     with compile_fallbacks() as uncompiled:
         trainer = _run_trainer(
             trainer_class,
@@ -469,6 +469,8 @@ def train(
         # this rank's training thread over the run: on a core, and waiting for one
         "training_thread": thread,
         **_run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds),
+        # torch.compile's seconds in this run (the process may have compiled before it)
+        "compile_seconds": None if compiled0 is None else round(compile_seconds() - compiled0, 3),
         "rank": rank,
     }
 
@@ -499,10 +501,9 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         if torch.cuda.is_available()
         else None,
         # where the run's host time went: each phase's own seconds (PHASES), and (rank 0 of
-        # StreamingTrainer) the seconds to the end of the first step, set-up and any
-        # compilation or graph capture included
+        # StreamingTrainer) the seconds from the start of training, after the trainer's
+        # set-up, to the end of the first step, its compiling or graph capture included
         "phase_seconds": {k: round(v, 3) for k, v in trainer.phase_clock.seconds.items()},
-        "compile_seconds": compile_seconds(),  # within the phases (torch.compile on a GPU)
         "first_step_seconds": round(progress.first - progress.start, 3)
         if (progress := getattr(trainer, "progress", None)) and progress.steps_run
         else None,
@@ -514,9 +515,10 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
 
 def compile_seconds() -> float | None:
     """Seconds this process spent in torch.compile so far: dynamo's tracing and inductor's
-    forward compiles (``_compile.compile_inner``), and the backward compiles that run at the
-    first backward (``...bw_compiler``); from torch's own timers (``torch._dynamo.utils``,
-    not a public API: None where they are missing). Cache hits count the time they took."""
+    compiles (``_compile.compile_inner``; with symbolic shapes the backward's too), and the
+    backward compiles left to the first backward (``backward._backward_impl``); from torch's
+    own timers (``torch._dynamo.utils``, not a public API: None where they are missing).
+    Cache hits count the time they took."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
@@ -525,7 +527,7 @@ def compile_seconds() -> float | None:
         sum(
             sum(times)
             for name, times in compilation_time_metrics.items()
-            if name == "_compile.compile_inner" or name.endswith("bw_compiler")
+            if name in ("_compile.compile_inner", "backward._backward_impl")
         ),
         3,
     )

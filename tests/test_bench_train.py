@@ -476,8 +476,10 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     )
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "profile.json").write_text("{}")  # not a bench_*.json: deleted
+    (tmp_path / "work" / "verifier").mkdir(parents=True)  # workflow_gpu.py's: deleted
     env = dict(os.environ, GPUQ_DIR=str(queue_dir), GPUQ_REPO=str(repo),
-               GPUQ_OUTS=str(tmp_path / "o"), OUT=str(out))  # fmt: skip
+               GPUQ_OUTS=str(tmp_path / "o"), GPUQ_WORK=str(tmp_path / "work"),
+               OUT=str(out))  # fmt: skip
     script = str(ROOT / "bench" / "gpu_queue.sh")
     subprocess.run([script, "run"], env=env, check=True, timeout=60)
     waited = subprocess.run(
@@ -489,6 +491,7 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     assert not (repo / "results/wfx/hidden_states").exists()
     assert not (repo / "results/wfx/train/state").exists()
     assert not (tmp_path / "o" / "profile.json").exists()
+    assert not (tmp_path / "work" / "verifier").exists()
     assert (bench_out / "bench_train.json").exists()
     subprocess.run([script, "collect"], env=env, check=True, timeout=60)
     with tarfile.open(out / "results.tgz") as tar:

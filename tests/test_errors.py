@@ -269,12 +269,17 @@ def test_a_full_disk_quota_or_file_size_limit_each_says_what_to_do(code, advice,
     assert capsys.readouterr().err == f"error: results/run/train/state: {advice}\n"
 
 
-def test_torch_saves_failure_under_a_file_size_limit_is_found_by_a_probe_write(tmp_path):
-    """A limit that free space does not show (here a real RLIMIT_FSIZE of 512 KiB, SIGXFSZ
-    ignored, in a child process; a quota the same way): torch.save of a larger state fails with
-    torch's own RuntimeError while the disk has room, and as_disk_full's probe write into the
-    folder finds the limit (EFBIG, torch's line kept, the probe file removed); the same error
-    without the limit, the probe written, is not a full disk."""
+@pytest.mark.parametrize(
+    ("limit", "numel"),
+    [(512 << 10, 300_000), (4 << 20, 2_000_000)],  # under and over the probe's 1 MiB
+)
+def test_torch_saves_failure_under_a_file_size_limit_is_found(tmp_path, limit, numel):
+    """A limit that free space does not show (here a real RLIMIT_FSIZE, SIGXFSZ ignored, in a
+    child process): torch.save of a larger state fails with torch's own RuntimeError while the
+    disk has room, and as_disk_full finds the limit (EFBIG, torch's line kept, no probe file
+    left): under 1 MiB by its probe write into the folder (a quota the same way), above it by
+    the half-written file that reached the limit; the same error without the limit, the probe
+    written, is not a full disk."""
     import subprocess
     import sys
 
@@ -285,8 +290,8 @@ folder = sys.argv[1]
 try:
     torch.save({"a": torch.zeros(1)}, folder + "/small.pt")
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, resource.RLIM_INFINITY))
-    torch.save({"a": torch.zeros(300_000)}, folder + "/state.pt")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+    torch.save({"a": torch.zeros(int(sys.argv[3]))}, folder + "/state.pt")
 except RuntimeError as exc:
     full = errors.as_disk_full(exc, folder)
     print(errno.errorcode[full.errno], full.filename == folder, full.strerror, sep="|")
@@ -294,8 +299,9 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
 print(errors.as_disk_full(RuntimeError("file write failed"), folder))
 """
     proc = subprocess.run(
-        [sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", child, str(tmp_path), str(limit), str(numel)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     code, named, strerror = proc.stdout.splitlines()[0].split("|")
     assert (code, named) == ("EFBIG", "True")

@@ -235,17 +235,20 @@ def test_the_acceptance_plot_adds_a_panel_of_categories_where_there_are_some(tmp
 
 def test_the_report_splits_the_training_time_by_phase():
     """summary.md's training time row: the train summary's seconds and phase_seconds, the first
-    step and torch.compile's time inside the steps (none on a CPU, where nothing compiles); no
-    row for a summary written before the phases were recorded."""
+    step inside the steps, what the phases leave, and torch.compile's time (none on a CPU,
+    where nothing compiles); no row for a summary written before the phases were recorded."""
     training = {
         "seconds": 147.83, "first_step_seconds": 61.04, "compile_seconds": 48.26,
         "phase_seconds": {"best": 0.04, "saves": 21.46, "steps": 88.0, "validation": 30.0},
     }  # fmt: skip
     assert report_text.training_time_row(training) == [
-        "| training time | 147.8 s: steps 88.0 s (the first 61.0 s, torch.compile 48.3 s in "
-        "all), saves 21.5 s, validation 30.0 s, marking the best epoch 0.0 s, set-up and the "
-        "rest 8.3 s |"
+        "| training time | 147.8 s: steps 88.0 s (the first 61.0 s), saves 21.5 s, validation "
+        "30.0 s, marking the best epoch 0.0 s, set-up and the rest 8.3 s; torch.compile 48.3 s "
+        "of it |"
     ]
     cpu = dict(training, compile_seconds=0.0, first_step_seconds=0.09)
-    assert report_text.training_time(cpu).startswith("steps 88.0 s (the first 0.1 s), saves")
+    assert report_text.training_time(cpu) == (
+        "steps 88.0 s (the first 0.1 s), saves 21.5 s, validation 30.0 s, marking the best "
+        "epoch 0.0 s"
+    )
     assert report_text.training_time_row({"seconds": 3.0}) == []
