@@ -14,8 +14,8 @@
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
 # does not stop the rest. collect takes the bench_*.json files of the folder after --out, and
-# of a workflow run (--run RUN) its jobs' logs and the train job's summary.json and
-# metrics.jsonl; after each command the other files under /tmp/o, workflow_gpu.py's default
+# of a workflow run (--run RUN) its jobs' logs, the train job's summary.json and
+# metrics.jsonl and workflow_gpu.py's JSON; after each command the other files under /tmp/o, workflow_gpu.py's default
 # verifier folder and the runs' shards and training state are deleted (the disk for the next
 # command; the training metrics first move to the run's train/ folder).
 # A later call whose machine is fresh (no /tmp/gpuq) says so and exits 3.
@@ -58,6 +58,9 @@ run) # the background part of start
     bash -c "$command" >"$Q/$name.log" 2>&1 || rc=$?
     echo "$rc" >"$Q/$name.rc"
     date +%s >"$Q/$name.end"
+    # a workflow run's figures (workflow_gpu.py's JSON, reruns of its train job included) as
+    # NAME.workflow_gpu.json, so that the next run does not overwrite them
+    if [ -f "$WORK/workflow_gpu.json" ]; then mv "$WORK/workflow_gpu.json" "$Q/$name.workflow_gpu.json"; fi
     # the disk for the next command (one 8B-shape verifier and its shards fill most of a 64 GiB
     # disk): the large files go; what collect takes (bench_*.json files, logs) stays, and a
     # workflow run's training metrics move out of the state folder first

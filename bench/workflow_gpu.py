@@ -5,6 +5,11 @@
     python3 bench/workflow_gpu.py --gpus 1       # one H200
     python3 bench/workflow_gpu.py --gpus 2       # two H200s: extract jobs on both at once, DDP
     python3 bench/workflow_gpu.py --gpus 1 --graph-step false  # the train job's eager step
+    python3 bench/workflow_gpu.py --gpus 1 --rerun-train 1     # then the train job again, from
+                                                 # scratch, torch.compile's cache now warm
+    python3 bench/workflow_gpu.py --gpus 2 --train-gpus 1 --rerun-train 2
+                                                 # the train rule on 1 GPU, then on 2 (DDP):
+                                                 # its scaling efficiency
     python bench/workflow_gpu.py --smoke         # CPU, tiny verifier: checks this script
                                                  # (after `pack`, or `pack-text` alone)
 
@@ -185,8 +190,13 @@ def probe_load(folder: Path) -> list[dict]:
     return out
 
 
-def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dict:
+def write_config(
+    path: Path, a, verifier: Path, data: Path, samples: int, train_gpus: int | None = None
+) -> dict:
+    """The run's config (train.gpus: ``train_gpus``, else --train-gpus, else --gpus)."""
     gpu = 0 if a.smoke else 1
+    if train_gpus is None:
+        train_gpus = a.gpus if a.train_gpus is None else a.train_gpus
     config = {
         "run": a.run,
         "verifier": {"path": str(verifier), "name": "random-llama-3.1-8b-shape"},
@@ -205,7 +215,7 @@ def write_config(path: Path, a, verifier: Path, data: Path, samples: int) -> dic
         },
         "train": {
             "epochs": a.epochs,
-            "gpus": a.gpus if not a.smoke else 0,
+            "gpus": train_gpus if not a.smoke else 0,
             # auto, the default, graphs the step on one GPU (eagle3lib.graphed_step.decide)
             **({} if a.graph_step == "auto" else {"graph_step": a.graph_step == "true"}),
         },
@@ -304,9 +314,24 @@ def collect(run_dir: Path) -> dict:
     }
     if not (run_dir / "train" / "summary.json").exists():  # --until extract
         return figures
+    train_figures(run_dir, jobs["train"])
+    acceptance = json.loads((run_dir / "reports" / "acceptance.json").read_text())
+    jobs["evaluate"]["decode_seconds"] = acceptance.get("seconds")
+    return {
+        **figures,
+        "disk_bytes": {
+            d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            for d in run_dir.iterdir()
+            if d.is_dir()
+        },
+    }
+
+
+def train_figures(run_dir: Path, train: dict) -> dict:
+    """The train job's figures (``train`` holds its wall seconds) from its summary and the
+    trainer's metrics, added to ``train``."""
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     train_tokens = summary["train_tokens_per_epoch"] * summary["epochs"]
-    train = jobs["train"]
     train.update(
         tokens=train_tokens,
         tokens_per_s=train_tokens / train["wall_seconds"],
@@ -314,6 +339,7 @@ def collect(run_dir: Path) -> dict:
         loop_tokens_per_s=train_tokens / summary["seconds"],
         data_wait_fraction=summary.get("data_wait_fraction"),
         processes=summary.get("processes"),
+        resumed=summary.get("resumed"),
         graph_step=summary.get("graph_step"),
         gpu_memory_peak_bytes=summary.get("gpu_memory_peak_bytes"),
         phase_seconds=summary.get("phase_seconds"),
@@ -327,16 +353,7 @@ def collect(run_dir: Path) -> dict:
     ]
     rates = [m["profile"]["tokens_per_s"] for m in metrics][1:]  # the first interval compiles
     train["steady_tokens_per_s"] = statistics.median(rates) if rates else None
-    acceptance = json.loads((run_dir / "reports" / "acceptance.json").read_text())
-    jobs["evaluate"]["decode_seconds"] = acceptance.get("seconds")
-    return {
-        **figures,
-        "disk_bytes": {
-            d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-            for d in run_dir.iterdir()
-            if d.is_dir()
-        },
-    }
+    return train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -380,6 +397,19 @@ def parser() -> argparse.ArgumentParser:
         "--until",
         default=None,
         help="run the workflow up to this rule only (snakemake --until), e.g. extract",
+    )
+    p.add_argument(
+        "--train-gpus", type=int, default=None, help="train.gpus of the run (default: --gpus)"
+    )
+    p.add_argument(
+        "--rerun-train",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="GPUS",
+        help="after the run, train again from scratch on the same shards with train.gpus set to "
+        "each of these in turn (torch.compile's on-disk cache then warm; with more GPUs than "
+        "the run's train job, the train rule's scaling efficiency against it)",
     )
     p.add_argument(
         "--reuse-verifier",
@@ -442,9 +472,27 @@ def main() -> None:
     result["config"] = write_config(config, a, verifier, a.xfer / "sharegpt.json.gz", samples)
     run_dir = ROOT / "results" / a.run
     shutil.rmtree(run_dir, ignore_errors=True)
+    result["wall_seconds"], rc = snakemake(a, config, [*(["--until", a.until] if a.until else [])])
+    result["disk_gb"] = disk_report(run_dir)
+    log(f"disk: {result['disk_gb']}")
+    if rc != 0:
+        print((a.work / "snakemake.log").read_text()[-6000:])
+        raise SystemExit(f"snakemake failed ({rc}) after {result['wall_seconds']:.0f} s")
+    result["workflow"] = collect(run_dir)
+    result["reruns"] = []
+    for gpus in a.rerun_train:
+        result["reruns"].append(rerun_train(a, run_dir, verifier, samples, gpus))
+    (a.work / "workflow_gpu.json").write_text(json.dumps(result, indent=2))
+    report(result, a)
+
+
+def snakemake(a, config: Path, options: list[str], gpus: int | None = None) -> tuple[float, int]:
+    """Run the workflow as a user does (the workstation profile, ``config``, ``gpus`` GPUs:
+    default --gpus) with ``options``, its output to <work>/snakemake.log; its seconds and exit
+    status."""
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/workstation"]
-    cmd += ["--configfile", str(config), "--resources", f"gpu={a.gpus}", "--cores", "all"]
-    cmd += ["--until", a.until] if a.until else []
+    cmd += ["--configfile", str(config), "--resources", f"gpu={gpus or a.gpus}", "--cores", "all"]
+    cmd += options
     log("workflow: snakemake " + " ".join(cmd[3:]))
     # Jobs run `python`: this interpreter (its virtualenv too), whatever its name.
     (a.work / "bin").mkdir(exist_ok=True)
@@ -456,15 +504,23 @@ def main() -> None:
     t0 = time.time()
     with open(a.work / "snakemake.log", "w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
-    result["wall_seconds"] = time.time() - t0
-    result["disk_gb"] = disk_report(run_dir)
-    log(f"disk: {result['disk_gb']}")
+    return time.time() - t0, rc
+
+
+def rerun_train(a, run_dir: Path, verifier: Path, samples: int, gpus: int) -> dict:
+    """The train job again on the run's shards with train.gpus ``gpus``, from scratch (its
+    training state removed, so it does not resume); on a GPU torch.compile's on-disk cache is
+    then warm from the run's own job. Its figures as collect gives them."""
+    config = a.work / f"config-train-{gpus}.yaml"
+    write_config(config, a, verifier, a.xfer / "sharegpt.json.gz", samples, train_gpus=gpus)
+    shutil.rmtree(run_dir / "train" / "state")
+    options = ["--until", "train", "--forcerun", "train"]
+    seconds, rc = snakemake(a, config, options, gpus=max(a.gpus, gpus))
     if rc != 0:
         print((a.work / "snakemake.log").read_text()[-6000:])
-        raise SystemExit(f"snakemake failed ({rc}) after {result['wall_seconds']:.0f} s")
-    result["workflow"] = collect(run_dir)
-    (a.work / "workflow_gpu.json").write_text(json.dumps(result, indent=2))
-    report(result, a)
+        raise SystemExit(f"snakemake (train on {gpus} GPUs again) failed ({rc})")
+    train = {"wall_seconds": benchmark_seconds(run_dir)["train"]}
+    return {"gpus": gpus, "wall_seconds": seconds, "train": train_figures(run_dir, train)}
 
 
 def disk_report(run_dir: Path) -> dict[str, float]:
@@ -505,6 +561,47 @@ def train_phases(job: dict) -> str:
     return f"; {split}" if split else ""
 
 
+def train_note(job: dict, epochs: int) -> str:
+    """The train row's note: tokens, the loop's rate, the steady rate, data wait, the step,
+    peak memory and the loop's phases."""
+    return (
+        f"{job['tokens']:,} tokens ({epochs} epochs); loop {job['loop_seconds']:.1f} s "
+        f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
+        f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
+        f"step {({True: 'graphed', False: 'eager'}).get(job['graph_step'], '?')}"
+        + (
+            f"; peak GPU memory {peak['allocated'] / 2**30:.1f} GiB allocated, "
+            f"{peak['reserved'] / 2**30:.1f} reserved"
+            if (peak := job["gpu_memory_peak_bytes"])
+            else ""
+        )
+        + train_phases(job)
+    )
+
+
+def train_keys(prefix: str, job: dict) -> dict:
+    """A train job's key = value lines under ``prefix``."""
+    lines = {
+        f"{prefix}.job_tokens_per_s": round(job["tokens_per_s"]),
+        f"{prefix}.steady_tokens_per_s": round(job["steady_tokens_per_s"] or 0),
+    }
+    if peak := job.get("gpu_memory_peak_bytes"):
+        lines[f"{prefix}.peak_reserved_gib"] = round(peak["reserved"] / 2**30, 2)
+    for figure in ("first_step_seconds", "compile_seconds"):
+        if (value := job.get(figure)) is not None:
+            lines[f"{prefix}.{figure}"] = round(value, 1)
+    for phase, seconds in (job.get("phase_seconds") or {}).items():
+        lines[f"{prefix}.{phase}_seconds"] = round(seconds, 1)
+    return lines
+
+
+def rerun_label(rerun: dict, first: dict) -> str:
+    """A rerun's keys: ``rerun`` for the same processes as the run's train job (on a GPU, the
+    same job with torch.compile's cache warm), else ``<n>gpus`` for n processes (one a GPU)."""
+    processes = rerun["train"]["processes"] or 1
+    return "rerun" if processes == (first["processes"] or 1) else f"{processes}gpus"
+
+
 def report(result: dict, a) -> None:
     wf = result["workflow"]
     jobs = wf["jobs"]
@@ -527,20 +624,14 @@ def report(result: dict, a) -> None:
                 )
             )
         elif name == "train":
-            note = (
-                f"{job['tokens']:,} tokens ({a.epochs} epochs); loop {job['loop_seconds']:.1f} s "
-                f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
-                f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
-                f"step {({True: 'graphed', False: 'eager'}).get(job['graph_step'], '?')}"
-                + (
-                    f"; peak GPU memory {peak['allocated'] / 2**30:.1f} GiB allocated, "
-                    f"{peak['reserved'] / 2**30:.1f} reserved"
-                    if (peak := job["gpu_memory_peak_bytes"])
-                    else ""
-                )
-                + train_phases(job)
-            )
+            note = train_note(job, a.epochs)
         print(f"| {name} | {job['wall_seconds']:.1f} | {rate} | {load} | {note} |")
+    for rerun in result.get("reruns", []):
+        job = rerun["train"]
+        print(
+            f"| train again, train.gpus {rerun['gpus']} | {job['wall_seconds']:.1f} | "
+            f"{job['tokens_per_s']:,.0f} |  | {train_note(job, a.epochs)} |"
+        )
     names = result.get("machine", {}).get("gpus", [])
     tag = "cpu" if a.smoke else bench_extract.card_tag(names, a.gpus)
     # true and false take their own keys beside the default's
@@ -568,17 +659,19 @@ def report(result: dict, a) -> None:
         ),
     }
     if "tokens_per_s" in jobs.get("train", {}):
-        lines[f"workflow.{tag}.train.job_tokens_per_s"] = round(jobs["train"]["tokens_per_s"])
-        lines[f"workflow.{tag}.train.steady_tokens_per_s"] = round(
-            jobs["train"]["steady_tokens_per_s"] or 0
-        )
-        if peak := jobs["train"].get("gpu_memory_peak_bytes"):
-            lines[f"workflow.{tag}.train.peak_reserved_gib"] = round(peak["reserved"] / 2**30, 2)
-        for figure in ("first_step_seconds", "compile_seconds"):
-            if (value := jobs["train"].get(figure)) is not None:
-                lines[f"workflow.{tag}.train.{figure}"] = round(value, 1)
-        for phase, seconds in (jobs["train"].get("phase_seconds") or {}).items():
-            lines[f"workflow.{tag}.train.{phase}_seconds"] = round(seconds, 1)
+        lines.update(train_keys(f"workflow.{tag}.train", jobs["train"]))
+        first = jobs["train"]
+        for rerun in result.get("reruns", []):
+            lines.update(
+                train_keys(f"workflow.{tag}.train.{rerun_label(rerun, first)}", rerun["train"])
+            )
+            if (rerun["train"]["processes"] or 1) > (first["processes"] or 1):
+                per_process = rerun["train"]["steady_tokens_per_s"] / rerun["train"]["processes"]
+                lines[f"workflow.{tag}.train.{rerun_label(rerun, first)}.scaling_efficiency"] = (
+                    round(
+                        per_process / (first["steady_tokens_per_s"] / (first["processes"] or 1)), 3
+                    )
+                )
     bench = result.get("bench_extract")
     # the isolated run's rate to compare with: once compiled, where it compiled (its compiling
     # is a fixed cost of the run, not of the rate a long job or a shared GPU sees)

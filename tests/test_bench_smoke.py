@@ -202,9 +202,15 @@ def test_workflow_gpu_smoke(tmp_path):
     xfer = tmp_path / "xfer"  # the tokenizer and ShareGPT slice, as `pack` makes them
     setup = [str(ROOT / "bench" / "gpu_setup.sh"), "pack-text", str(xfer)]
     subprocess.run(setup, check=True, capture_output=True, timeout=600)
-    work = ["--work", str(tmp_path / "work"), "--xfer", str(xfer)]
+    work = ["--work", str(tmp_path / "work"), "--xfer", str(xfer), "--rerun-train", "0"]
     out = smoke("workflow_gpu.py", *work, root=root)
     assert "workflow.cpu.extract.job_vs_bench = " in out
+    # the train job again, from scratch (not resumed from the run's state): all its steps
+    assert re.search(r"^workflow\.cpu\.train\.rerun\.job_tokens_per_s = \d+$", out, re.M), out
+    (rerun,) = json.loads((tmp_path / "work" / "workflow_gpu.json").read_text())["reruns"]
+    first = json.loads((tmp_path / "work" / "workflow_gpu.json").read_text())["workflow"]
+    assert rerun["train"]["tokens"] == first["jobs"]["train"]["tokens"] > 0
+    assert rerun["train"]["resumed"] is False and rerun["train"]["phase_seconds"]["steps"] > 0
     assert (root / "results" / "wf8b" / "checkpoint" / "model.safetensors").exists()
     # where the disk went, per folder of the run and epoch of the training state
     disk = re.search(r"disk: (\{.*\})", out)
@@ -333,6 +339,18 @@ def shared_fp8_report(capsys, workflow: dict, bench_rate: int, gpus: int = 1) ->
     return capsys.readouterr().out.splitlines()
 
 
+def train_report(capsys, result: dict, gpus: int = 1) -> list[str]:
+    """The lines workflow_gpu.report prints for a bf16 run of the whole DAG on ``gpus`` GPUs."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(
+        smoke=False, gpus=gpus, storage="bf16", jobs_per_gpu=1, compile="false", until=None,
+        epochs=2, graph_step="auto",
+    )  # fmt: skip
+    workflow_gpu_module().report(result, a)
+    return capsys.readouterr().out.splitlines()
+
+
 SHARED_FP8 = "workflow.h200.extract.fp8.shared2.compiled"
 
 
@@ -350,7 +368,6 @@ def test_workflow_gpu_reports_the_train_jobs_step_and_peak_memory(capsys, graphe
                                                                    key):  # fmt: skip
     """The train job's row says whether its step was graphed and its GPU's peak memory (the
     summary's gpu_memory_peak_bytes, in GiB), and a key gives the reserved peak."""
-    from types import SimpleNamespace
 
     train = {
         "tokens": 2_000_000, "tokens_per_s": 10_000.0, "wall_seconds": 200.0,
@@ -368,22 +385,16 @@ def test_workflow_gpu_reports_the_train_jobs_step_and_peak_memory(capsys, graphe
         },
         "bench_extract": None,
     }
-    a = SimpleNamespace(
-        smoke=False, gpus=1, storage="bf16", jobs_per_gpu=1, compile="false", until=None,
-        epochs=2, graph_step="auto",
-    )  # fmt: skip
-    workflow_gpu_module().report(result, a)
-    out = capsys.readouterr().out
-    (row,) = [line for line in out.splitlines() if line.startswith("| train |")]
+    out = train_report(capsys, result)
+    (row,) = [line for line in out if line.startswith("| train |")]
     assert row.endswith(note), row
-    peaks = [line for line in out.splitlines() if ".peak_reserved_gib = " in line]
+    peaks = [line for line in out if ".peak_reserved_gib = " in line]
     assert peaks == ([key] if key else []), peaks
 
 
 def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
     """The train row and keys give the summary's phase_seconds and first_step_seconds: where a
     short job's time beside its steady steps goes (compiling, saves, validation)."""
-    from types import SimpleNamespace
 
     train = {
         "tokens": 1_450_000, "tokens_per_s": 7_500.0, "wall_seconds": 194.0,
@@ -399,12 +410,7 @@ def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
                      "extract_tokens": 1_800_000, "extract_window_seconds": 80.0},
         "bench_extract": None,
     }  # fmt: skip
-    a = SimpleNamespace(
-        smoke=False, gpus=1, storage="bf16", jobs_per_gpu=1, compile="false", until=None,
-        epochs=2, graph_step="auto",
-    )  # fmt: skip
-    workflow_gpu_module().report(result, a)
-    out = capsys.readouterr().out.splitlines()
+    out = train_report(capsys, result)
     (row,) = [line for line in out if line.startswith("| train |")]
     assert row.endswith(
         "step graphed; steps 88.0 s (the first 61.0 s), saves 21.5 s, validation 30.0 s, "
@@ -414,6 +420,47 @@ def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
     for key in ("first_step_seconds = 61.0", "compile_seconds = 48.3", "steps_seconds = 88.0", "saves_seconds = 21.5",
                 "validation_seconds = 30.0", "best_seconds = 0.0"):  # fmt: skip
         assert f"workflow.h100.train.{key}" in keys, keys
+
+
+def test_workflow_gpu_reports_the_train_job_run_again(capsys):
+    """--rerun-train: the same job again (its keys under .rerun: on a GPU, torch.compile's cache
+    warm) and on two GPUs (under .2gpus, with the rule's scaling efficiency: steady tokens/s per
+    process against the run's own train job)."""
+
+    def train(wall, steady, processes, first_step):
+        return {
+            "tokens": 1_450_000, "tokens_per_s": 1_450_000 / wall, "wall_seconds": wall,
+            "model_load_seconds": None, "loop_seconds": wall - 40, "loop_tokens_per_s": 9_000.0,
+            "steady_tokens_per_s": steady, "data_wait_fraction": 0.002, "graph_step": processes == 1,
+            "gpu_memory_peak_bytes": None, "first_step_seconds": first_step, "compile_seconds": 5.0,
+            "phase_seconds": {"steps": 30.0}, "processes": processes,
+        }  # fmt: skip
+
+    result = {
+        "machine": {"gpus": ["NVIDIA H200", "NVIDIA H200"]},
+        "wall_seconds": 400.0,
+        "workflow": {"jobs": {"extract-0": EXTRACT_JOB, "train": train(229.1, 56_000.0, 1, 106.5)},
+                     "extract_tokens": 1_800_000, "extract_window_seconds": 80.0},
+        "bench_extract": None,
+        "reruns": [
+            {"gpus": 1, "wall_seconds": 150.0, "train": train(145.0, 56_500.0, 1, 12.0)},
+            {"gpus": 2, "wall_seconds": 160.0, "train": train(120.0, 100_800.0, 2, 20.0)},
+        ],
+    }  # fmt: skip
+    out = train_report(capsys, result, gpus=2)
+    rows = [line for line in out if line.startswith("| train again")]
+    assert [row.split(" | ")[:3] for row in rows] == [
+        ["| train again, train.gpus 1", "145.0", "10,000"],
+        ["| train again, train.gpus 2", "120.0", "12,083"],
+    ], rows
+    assert "steps 30.0 s (the first 12.0 s)" in rows[0] and "step eager" in rows[1], rows
+    keys = dict(line.split(" = ") for line in out if line.startswith("workflow.2xh200.train."))
+    assert keys["workflow.2xh200.train.first_step_seconds"] == "106.5"
+    assert keys["workflow.2xh200.train.rerun.first_step_seconds"] == "12.0"
+    assert keys["workflow.2xh200.train.rerun.steady_tokens_per_s"] == "56500"
+    assert keys["workflow.2xh200.train.2gpus.steady_tokens_per_s"] == "100800"
+    assert keys["workflow.2xh200.train.2gpus.scaling_efficiency"] == "0.9"  # 50,400 / 56,000
+    assert "workflow.2xh200.train.rerun.scaling_efficiency" not in keys
 
 
 def test_workflow_gpu_leaves_room_for_every_epochs_training_state():

@@ -453,7 +453,7 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     is for the GPU machine): every entry runs though one fails; after each, a run's shards and
     training state are deleted, its training metrics moved out first; collect packs each
     entry's log and exit status, an --out folder's bench_*.json files, and a workflow run's
-    (--run RUN) logs, train summary and metrics."""
+    (--run RUN) logs, train summary and metrics, and workflow_gpu.py's JSON (its entry's only)."""
     import subprocess
     import tarfile
 
@@ -467,6 +467,7 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
         " && echo train-log > $r/logs/train.log && echo '{}' > $r/train/summary.json"
         " && echo '{\"step\": 1}' > $r/train/state/metrics.jsonl"
         " && echo shard > $r/hidden_states/shard-0.safetensors"
+        " && echo '{\"reruns\": []}' > $GPUQ_WORK/workflow_gpu.json"
     )
     (queue_dir / "queue").write_text(
         "# a comment\n"
@@ -499,7 +500,9 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
         metrics = tar.extractfile("./wf/run/metrics.jsonl").read()
     assert {
         "wf/wf.log", "wf/wf.rc", "wf/run/logs/train.log", "wf/run/summary.json",
-        "wf/run/metrics.jsonl", "broken/broken.rc", "bench/bench_train.json",
+        "wf/run/metrics.jsonl", "wf/wf.workflow_gpu.json", "broken/broken.rc",
+        "bench/bench_train.json",
     } <= names, names  # fmt: skip
+    assert not [n for n in names if n.endswith("workflow_gpu.json") and not n.startswith("wf/")]
     assert metrics == b'{"step": 1}\n'
     assert not [n for n in names if "shard" in n or n.startswith("broken/bench_")], names
