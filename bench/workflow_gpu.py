@@ -340,6 +340,7 @@ def train_figures(run_dir: Path, train: dict) -> dict:
         data_wait_fraction=summary.get("data_wait_fraction"),
         processes=summary.get("processes"),
         resumed=summary.get("resumed"),
+        timeline=summary.get("timeline"),
         graph_step=summary.get("graph_step"),
         gpu_memory_peak_bytes=summary.get("gpu_memory_peak_bytes"),
         phase_seconds=summary.get("phase_seconds"),
@@ -576,7 +577,13 @@ def train_note(job: dict, epochs: int) -> str:
             else ""
         )
         + train_phases(job)
+        + (f"; process timeline {in_order(job['timeline'])}" if job.get("timeline") else "")
     )
+
+
+def in_order(timeline: dict[str, float]) -> dict[str, float]:
+    """A process timeline by time (summary.json sorts its keys by name)."""
+    return dict(sorted(timeline.items(), key=lambda mark: mark[1]))
 
 
 def train_keys(prefix: str, job: dict) -> dict:

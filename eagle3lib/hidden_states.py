@@ -24,6 +24,7 @@ import torch
 
 from eagle3lib.config import forward_dtype, resolve_aux_layers
 from eagle3lib.errors import UserError
+from eagle3lib.lifetime import Phases
 from eagle3lib.shard_writer import ShardWriter
 from eagle3lib.shards import SHARD_FORMAT, STORAGE_DTYPES, ShardLayout, input_hash
 
@@ -111,8 +112,6 @@ def forward_states(
 
 def iter_progress(items: Sequence, total_tokens: int, log_every: float = 10.0) -> Iterator:
     """Yield items, printing tokens/s progress to stderr at most every ``log_every`` seconds."""
-    import sys
-
     done, t0, last = 0, time.perf_counter(), 0.0
     for item, tokens in items:
         yield item
@@ -130,21 +129,6 @@ def iter_progress(items: Sequence, total_tokens: int, log_every: float = 10.0) -
 
 
 # ---- one extraction job ----------------------------------------------------------------------
-
-
-class Phases:
-    """When each step of a job ended, in seconds since its process started (interpreter
-    start-up and imports included); each is also logged as ``extract: <name> at N s``."""
-
-    def __init__(self):
-        import psutil
-
-        self.start = psutil.Process().create_time()
-        self.marks: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = round(time.time() - self.start, 2)
-        print(f"extract: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)
 
 
 def resolve_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
@@ -395,7 +379,7 @@ def extract_shard(
     ``vllm_python`` (and the config's ``vllm`` section as ``engine``)."""
     from eagle3lib.fileio import remove_stale_temps, write_json
 
-    phases = Phases()
+    phases = Phases("extract")
     phases.mark("started")
     for output in (shard_path, manifest_path):
         remove_stale_temps(output)  # a killed earlier attempt's half-written shard

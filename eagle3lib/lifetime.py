@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
@@ -194,3 +195,20 @@ def interpreter_first_on_path(
     path = environ.get("PATH", "")
     if path.split(os.pathsep)[0] != folder:
         environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+
+
+class Phases:
+    """When each step of a job ended, in seconds since its process started (interpreter
+    start-up and imports included): its process timeline. Each is also logged as
+    ``<job>: <name> at N s``."""
+
+    def __init__(self, job: str):
+        import psutil
+
+        self.job = job
+        self.start = psutil.Process().create_time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(time.time() - self.start, 2)
+        print(f"{self.job}: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)

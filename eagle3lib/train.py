@@ -28,6 +28,7 @@ from eagle3lib.distributed import barrier, ranks_agree, setup_distributed, world
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import fingerprinted_dir, fsync_tree, read_json, sha256_json
 from eagle3lib.graphed_step import decide as decide_graph_step
+from eagle3lib.lifetime import Phases
 from eagle3lib.speculators_compat import cpu_trainer_patches, speculators_patches
 from eagle3lib.streaming_trainer import (
     PhaseClock,
@@ -375,11 +376,15 @@ def train(
     state_dir: Path,
     metrics_path: Path,
     trainer_class: type[Trainer] | None = None,
+    phases: Phases | None = None,
 ) -> dict[str, Any]:
     """Train; return the epoch directory of the final checkpoint and run statistics.
 
     ``trainer_class`` defaults to StreamingTrainer; speculators' own Trainer also works.
+    ``phases``: the job's process timeline, marked as the shards open, the draft is built, the
+    loaders are ready and the training ends.
     """
+    mark = phases.mark if phases else lambda _name: None
     from speculators.train.cli import set_seed
 
     manifests = [read_json(p) for p in manifest_paths]
@@ -392,6 +397,7 @@ def train(
             f"vocab map has {k} draft tokens but train.draft_vocab_size is {cfg.draft_vocab_size}"
         )
     shards = open_verified_shards(shard_paths, manifest_paths, expect)
+    mark("shards opened")
     pairs = split_indices(shards, cfg.val_fraction)
     runtime = resolve_runtime(cfg)
     rank = setup_distributed()
@@ -418,10 +424,12 @@ def train(
     dtype = runtime["dtype"]
     allow_recompiles(draft_recompile_limit(cfg.num_layers))
     model = build_draft(cfg, record, aux, vocab_map, runtime["attention"])
+    mark("draft built")
     if storage == "fp8":  # dequantized on the device, inside the input pipeline
         model.register_forward_pre_hook(fp8_inputs(dtype), with_kwargs=True)
     loaders = _loaders(cfg, shard_paths, pairs, record["hidden_size"], len(aux), dtype, storage)
     trainer_config = _trainer_config(cfg, state_dir, runtime)
+    mark("loaders ready")
     t0, sched0, compiled0 = time.perf_counter(), thread_schedstat(), compile_seconds()
     with compile_fallbacks() as uncompiled:
         trainer = _run_trainer(
@@ -434,6 +442,7 @@ def train(
             metrics_path,
         )
     seconds = time.perf_counter() - t0
+    mark("training ended")
     thread = thread_shares(sched0, thread_schedstat(), seconds)
     # on a GPU the thread launches the work and the process's other threads are few; on a CPU
     # its own compute threads share the cores with it, so a wait there proves nothing

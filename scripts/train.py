@@ -15,7 +15,7 @@ import _bootstrap  # noqa: F401
 from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
 from eagle3lib.fileio import atomic_path, write_json
-from eagle3lib.lifetime import hold_folders
+from eagle3lib.lifetime import Phases, hold_folders
 from eagle3lib.multinode import per_node, relaunch
 from eagle3lib.verifier import read_record
 
@@ -52,10 +52,17 @@ def main() -> None:
         hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)
     if torchrun:
         os.execv(torchrun[0], torchrun)
+    # rank 0's process timeline (torchrun's workers each are a process of their own)
+    phases = Phases("train") if os.environ.get("RANK", "0") == "0" else None
+    if phases:
+        phases.mark("started")
 
     import torch
 
     from eagle3lib import checkpoint, distributed, train, vocab
+
+    if phases:
+        phases.mark("imported")
 
     if a.threads:
         torch.set_num_threads(max(1, a.threads // max(processes, 1)))
@@ -65,16 +72,20 @@ def main() -> None:
     metrics = a.state_dir / "metrics.jsonl"
     with distributed.torn_down():
         stats = train.train(
-            cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics
-        )
+            cfg, record, a.shards, a.manifests, vocab.load(a.vocab_map), a.state_dir, metrics,
+            phases=phases,
+        )  # fmt: skip
     if stats["rank"] != 0:
         return
     out_dir = a.out_config.parent
     assert a.out_weights.parent == out_dir, "config and weights must share the checkpoint folder"
     config = checkpoint.export(Path(stats["final_epoch_dir"]), out_dir, record["name"])
     stats["epochs"] = cfg.epochs
+    phases.mark("checkpoint exported")
     with atomic_path(a.out_card) as tmp:
         tmp.write_text(checkpoint.model_card(config, record, stats))
+    phases.mark("model card written")
+    stats["timeline"] = phases.marks  # seconds since the process started
     # relative to the summary's folder: true for a copied or renamed run folder
     stats["final_epoch_dir"] = os.path.relpath(stats["final_epoch_dir"], a.out_summary.parent)
     summary = {**stats, "curves": train.loss_curves(train.read_metrics(metrics))}

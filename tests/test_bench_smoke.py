@@ -447,6 +447,12 @@ def test_workflow_gpu_reports_the_train_job_run_again(capsys):
             {"gpus": 2, "wall_seconds": 160.0, "train": train(120.0, 100_800.0, 2, 20.0)},
         ],
     }  # fmt: skip
+    # as summary.json holds it, by name
+    result["reruns"][0]["train"]["timeline"] = {
+        "imported": 9.5,
+        "loaders ready": 14.0,
+        "started": 2.0,
+    }
     out = train_report(capsys, result, gpus=2)
     rows = [line for line in out if line.startswith("| train again")]
     assert [row.split(" | ")[:3] for row in rows] == [
@@ -454,6 +460,10 @@ def test_workflow_gpu_reports_the_train_job_run_again(capsys):
         ["| train again, train.gpus 2", "120.0", "12,083"],
     ], rows
     assert "steps 30.0 s (the first 12.0 s)" in rows[0] and "step eager" in rows[1], rows
+    assert rows[0].endswith(
+        "; process timeline {'started': 2.0, 'imported': 9.5, 'loaders ready': 14.0} |"
+    ), rows[0]
+    assert "process timeline" not in rows[1], rows[1]
     keys = dict(line.split(" = ") for line in out if line.startswith("workflow.2xh200.train."))
     assert keys["workflow.2xh200.train.first_step_seconds"] == "106.5"
     assert keys["workflow.2xh200.train.rerun.first_step_seconds"] == "12.0"

@@ -138,6 +138,16 @@ def test_first_run_builds_checkpoint_and_report(ws):
     # the train job's time by phase, from its summary (on a CPU nothing compiles)
     assert f"| training time | {t['seconds']:.1f} s: steps " in markdown
     assert t["phase_seconds"]["steps"] > 0 and t["compile_seconds"] == 0.0, t
+    # the job's process timeline (seconds since its process started), in order, each also
+    # logged; the training itself between "loaders ready" and "training ended"
+    steps = ["started", "imported", "shards opened", "draft built", "loaders ready",
+             "training ended", "checkpoint exported", "model card written"]  # fmt: skip
+    times = [t["timeline"][step] for step in steps]  # (summary.json sorts its keys)
+    assert len(t["timeline"]) == len(steps) and times == sorted(times), t["timeline"]
+    loop = t["timeline"]["training ended"] - t["timeline"]["loaders ready"]
+    assert abs(loop - t["seconds"]) < 0.5, (t["seconds"], t["timeline"])
+    log_text = (ws.results / "logs" / "train.log").read_text()
+    assert f"train: model card written at {t['timeline']['model card written']:.1f} s" in log_text
     assert (ws.results / "reports" / "validation.txt").read_text().startswith("valid:")
     for png in ("acceptance.png", "loss.png"):
         assert (ws.results / "reports" / png).read_bytes()[:4] == b"\x89PNG"
