@@ -142,12 +142,17 @@ class Drafter:
         aux: [n, n_aux * hidden] for x_0..x_{n-1}; tokens: x_0..x_n. Row j, column i is the
         proposal for x_{i+2+j} after context x_0..x_{i+1}, given that x_{i+2}..x_{i+1+j} were
         proposed before it (what ``propose`` computes when those were accepted).
+
+        Eagerly, though speculators compiles ``forward`` wherever CUDA is available: replay
+        calls it once per prompt, each of its own length, so torch.compile would compile it
+        twice (static shapes, then dynamic) for calls that take milliseconds without it.
         """
         n = aux.shape[0]
-        draft_tokens = self.draft(
-            hidden_states=aux[None],
-            input_ids=tokens[1:][None],
-            document_ids=torch.zeros(1, n, dtype=torch.long, device=aux.device),
-            ttt_steps=steps,
-        )
+        with torch.compiler.set_stance("force_eager"):
+            draft_tokens = self.draft(
+                hidden_states=aux[None],
+                input_ids=tokens[1:][None],
+                document_ids=torch.zeros(1, n, dtype=torch.long, device=aux.device),
+                ttt_steps=steps,
+            )
         return torch.stack([self.to_verifier_ids(t[0]) for t in draft_tokens])

@@ -84,6 +84,31 @@ def reference_logits(draft, aux, tokens, proposals):
     return torch.stack([r[n - 1] for r in rows])
 
 
+def test_replay_runs_a_compiled_draft_forward_eagerly(pipeline, draft):
+    """On a GPU speculators' ``forward`` is a torch.compile'd function; replay's draft pass
+    (one call a prompt, each of its own length) must not compile it: here the forward is
+    compiled with a backend that counts its compilations, and replay's proposals equal the
+    plain draft's."""
+    import copy
+
+    compiled = []
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    aux, ids = sample_states(pipeline)
+    twin = copy.copy(draft)  # the same parameters, its own forward
+    twin.forward = torch.compile(type(draft).forward.__get__(twin), backend=counting_backend)
+    for n in (12, 20):
+        got = Drafter(twin).predict_all(aux[:n], ids[: n + 1], 3)
+        assert torch.equal(got, Drafter(draft).predict_all(aux[:n], ids[: n + 1], 3))
+    assert compiled == []
+    twin(hidden_states=aux[None, :12], input_ids=ids[None, 1:13],
+         document_ids=torch.zeros(1, 12, dtype=torch.long), ttt_steps=1)  # fmt: skip
+    assert compiled, "the twin's forward compiles when called outside replay"
+
+
 def sample_states(pipeline):
     ds = train_data.ShardDataset(pipeline["shards"], [(0, 0)], 256, torch.float32)
     sample = ds.shards[0].sample(0)
