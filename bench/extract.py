@@ -351,15 +351,13 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    tag = device_tag()
+    tag = device_tag(args.jobs)
     if args.jobs > 1:
-        print(
-            f"extract.{args.jobs}x{tag}.aggregate_tokens_per_s = {result['aggregate_tokens_per_s']}"
-        )
+        print(f"extract.{tag}.aggregate_tokens_per_s = {result['aggregate_tokens_per_s']}")
         if args.baseline:
             single = json.loads(Path(args.baseline).read_text())["tokens_per_s"]
             eff = result["aggregate_tokens_per_s"] / (args.jobs * single)
-            print(f"extract.{args.jobs}x{tag}.scaling_efficiency = {eff:.3f}")
+            print(f"extract.{tag}.scaling_efficiency = {eff:.3f}")
     else:
         prefix = (
             f"extract.{tag}"
@@ -387,11 +385,14 @@ def card_tag(names: list[str], count: int = 1) -> str:
     return card if count <= 1 else f"{count}x{card}"
 
 
-def device_tag() -> str:
-    """This process's device in benchmark keys: cpu, or its first GPU's ``card_tag``."""
+def device_tag(count: int = 1) -> str:
+    """The devices of a run of ``count`` processes, one a device, in benchmark keys: cpu, or the
+    ``card_tag`` of this machine's first ``count`` GPUs, with the count before it for several
+    (2xh200, 2xcpu)."""
     if not torch.cuda.is_available():
-        return "cpu"
-    return card_tag([torch.cuda.get_device_name(0)])
+        return "cpu" if count <= 1 else f"{count}xcpu"
+    names = [torch.cuda.get_device_name(i) for i in range(min(count, torch.cuda.device_count()))]
+    return card_tag(names, count)
 
 
 if __name__ == "__main__":

@@ -1519,10 +1519,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
-    tag = device_tag()
     processes = results[0]["processes"] if results else 1
-    if processes > 1:
-        tag = f"{processes}x{tag}" + (".fsdp" if args.fsdp else "")
+    tag = device_tag(processes) + (".fsdp" if args.fsdp and processes > 1 else "")
     summary, lines = summarize(results, tag)
     # packing fill of the bench's length mix (the training samples), per sampler and length
     fills = {

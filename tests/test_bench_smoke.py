@@ -497,6 +497,13 @@ def test_workflow_gpu_names_its_keys_after_the_card_it_ran_on(names, gpus, tag):
     assert workflow_gpu_module().bench_extract.card_tag(names, gpus) == tag
 
 
+def test_bench_keys_name_a_cpu_run_by_its_processes():
+    """Without CUDA the device tag is cpu, with the count before it for several processes
+    (bench/train.py's DDP runs, bench/extract.py's jobs)."""
+    device_tag = workflow_gpu_module().bench_extract.device_tag
+    assert [device_tag(), device_tag(1), device_tag(2)] == ["cpu", "cpu", "2xcpu"]
+
+
 def test_workflow_gpu_compares_a_compiled_stage_with_the_isolated_rate_once_compiled(capsys):
     """With extract.compile the isolated run's own compiling is a fixed cost, not part of the
     rate a shared GPU sees: the stage (first lease to last release) and each job are compared
