@@ -421,7 +421,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    a = parser().parse_args()
+    p = parser()
+    a = p.parse_args()
+    if a.rerun_train and a.until:
+        p.error("--rerun-train needs the whole run (no --until): it reruns the train job")
     a.shards = a.shards or 2 * max(a.gpus, 1)
     a.work.mkdir(parents=True, exist_ok=True)
     info = machine(a.work)
@@ -481,8 +484,11 @@ def main() -> None:
         raise SystemExit(f"snakemake failed ({rc}) after {result['wall_seconds']:.0f} s")
     result["workflow"] = collect(run_dir)
     result["reruns"] = []
-    for gpus in a.rerun_train:
+    for i, gpus in enumerate(a.rerun_train):
+        keep_train_files(run_dir, f"run{i}")  # a rerun replaces them
         result["reruns"].append(rerun_train(a, run_dir, verifier, samples, gpus))
+    if a.rerun_train:
+        keep_train_files(run_dir, f"run{len(a.rerun_train)}")
     (a.work / "workflow_gpu.json").write_text(json.dumps(result, indent=2))
     report(result, a)
 
@@ -506,6 +512,20 @@ def snakemake(a, config: Path, options: list[str], gpus: int | None = None) -> t
     with open(a.work / "snakemake.log", "w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
     return time.time() - t0, rc
+
+
+def keep_train_files(run_dir: Path, label: str) -> None:
+    """The train job's log, summary, metrics and benchmark record copied into the run's logs/
+    as train.<label>.*, where bench/gpu_queue.sh's collect finds them."""
+    logs = run_dir / "logs"
+    for source, name in (
+        (logs / "train.log", "log"),
+        (run_dir / "train" / "summary.json", "summary.json"),
+        (run_dir / "train" / "state" / "metrics.jsonl", "metrics.jsonl"),
+        (run_dir / "benchmarks" / "train.tsv", "tsv"),
+    ):
+        if source.exists():
+            shutil.copy2(source, logs / f"train.{label}.{name}")
 
 
 def rerun_train(a, run_dir: Path, verifier: Path, samples: int, gpus: int) -> dict:
@@ -568,7 +588,7 @@ def train_note(job: dict, epochs: int) -> str:
     return (
         f"{job['tokens']:,} tokens ({epochs} epochs); loop {job['loop_seconds']:.1f} s "
         f"at {job['loop_tokens_per_s']:,.0f}/s; steady {job['steady_tokens_per_s'] or 0:,.0f}"
-        f"/s; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
+        f"/s{' per rank' if processes(job) > 1 else ''}; data wait {100 * (job['data_wait_fraction'] or 0):.2f} %; "
         f"step {({True: 'graphed', False: 'eager'}).get(job['graph_step'], '?')}"
         + (
             f"; peak GPU memory {peak['allocated'] / 2**30:.1f} GiB allocated, "
@@ -602,11 +622,33 @@ def train_keys(prefix: str, job: dict) -> dict:
     return lines
 
 
-def rerun_label(rerun: dict, first: dict) -> str:
-    """A rerun's keys: ``rerun`` for the same processes as the run's train job (on a GPU, the
-    same job with torch.compile's cache warm), else ``<n>gpus`` for n processes (one a GPU)."""
-    processes = rerun["train"]["processes"] or 1
-    return "rerun" if processes == (first["processes"] or 1) else f"{processes}gpus"
+def processes(job: dict) -> int:
+    """A train job's processes (one a GPU; 1 on a CPU)."""
+    return job.get("processes") or 1
+
+
+def steady_rates(*jobs: dict) -> bool:
+    """Whether every one of ``jobs`` has a steady rate (a job too short for two logged
+    intervals has none)."""
+    return all(job.get("steady_tokens_per_s") for job in jobs)
+
+
+def train_prefixes(runs: list[dict], names: list[str], smoke: bool, step: str) -> list[str]:
+    """The keys' prefix of each train job of a run (its first, then its reruns): named after
+    the GPUs the job itself trained on (workflow.h200.train, workflow.2xh200.train), a rerun
+    of a job on as many GPUs as an earlier one with ``.rerun`` (on a GPU: torch.compile's
+    cache then warm), numbered from the second such rerun."""
+    prefixes = []
+    for job in runs:
+        n = processes(job)
+        card = ("cpu" if n == 1 else f"{n}xcpu") if smoke else bench_extract.card_tag(names[:n], n)
+        base = f"workflow.{card}{step}.train"
+        earlier = sum(p == base or p.startswith(f"{base}.rerun") for p in prefixes)
+        if earlier == 0:
+            prefixes.append(base)
+        else:
+            prefixes.append(f"{base}.rerun" if earlier == 1 else f"{base}.rerun{earlier}")
+    return prefixes
 
 
 def report(result: dict, a) -> None:
@@ -666,18 +708,15 @@ def report(result: dict, a) -> None:
         ),
     }
     if "tokens_per_s" in jobs.get("train", {}):
-        lines.update(train_keys(f"workflow.{tag}.train", jobs["train"]))
-        first = jobs["train"]
-        for rerun in result.get("reruns", []):
-            lines.update(
-                train_keys(f"workflow.{tag}.train.{rerun_label(rerun, first)}", rerun["train"])
-            )
-            if (rerun["train"]["processes"] or 1) > (first["processes"] or 1):
-                per_process = rerun["train"]["steady_tokens_per_s"] / rerun["train"]["processes"]
-                lines[f"workflow.{tag}.train.{rerun_label(rerun, first)}.scaling_efficiency"] = (
-                    round(
-                        per_process / (first["steady_tokens_per_s"] / (first["processes"] or 1)), 3
-                    )
+        step = tag[len(tag.split(".")[0]) :]  # .graph_step, .eager_step or nothing
+        runs = [jobs["train"], *(rerun["train"] for rerun in result.get("reruns", []))]
+        for prefix, job in zip(train_prefixes(runs, names, a.smoke, step), runs, strict=True):
+            lines.update(train_keys(prefix, job))
+            first = runs[0]
+            if job is not first and processes(job) > processes(first) and steady_rates(job, first):
+                # both steady rates are rank 0's own tokens/s (the trainer's metrics)
+                lines[f"{prefix}.scaling_efficiency"] = round(
+                    job["steady_tokens_per_s"] / first["steady_tokens_per_s"], 3
                 )
     bench = result.get("bench_extract")
     # the isolated run's rate to compare with: once compiled, where it compiled (its compiling

@@ -200,15 +200,16 @@ def interpreter_first_on_path(
 class Phases:
     """When each step of a job ended, in seconds since its process started (interpreter
     start-up and imports included): its process timeline. Each is also logged as
-    ``<job>: <name> at N s``."""
+    ``<job>: <name> at N s`` where ``echo``."""
 
-    def __init__(self, job: str):
+    def __init__(self, job: str, echo: bool = True):
         import psutil
 
-        self.job = job
+        self.job, self.echo = job, echo  # echo: log each mark (one process of several: not)
         self.start = psutil.Process().create_time()
         self.marks: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
         self.marks[name] = round(time.time() - self.start, 2)
-        print(f"{self.job}: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)
+        if self.echo:
+            print(f"{self.job}: {name} at {self.marks[name]:.1f} s", file=sys.stderr, flush=True)

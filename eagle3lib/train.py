@@ -381,7 +381,7 @@ def train(
     """Train; return the epoch directory of the final checkpoint and run statistics.
 
     ``trainer_class`` defaults to StreamingTrainer; speculators' own Trainer also works.
-    ``phases``: the job's process timeline, marked as the shards open, the draft is built, the
+    ``phases``: the process's timeline, marked as the shards open, the draft is built, the
     loaders are ready and the training ends.
     """
     mark = phases.mark if phases else lambda _name: None

@@ -52,17 +52,16 @@ def main() -> None:
         hold_folders("train", a.out_config, a.out_weights, a.out_card, a.out_summary, a.provenance)
     if torchrun:
         os.execv(torchrun[0], torchrun)
-    # rank 0's process timeline (torchrun's workers each are a process of their own)
-    phases = Phases("train") if os.environ.get("RANK", "0") == "0" else None
-    if phases:
-        phases.mark("started")
+    # this process's timeline (torchrun's workers each are a process of their own), logged by
+    # the first
+    phases = Phases("train", echo=os.environ.get("RANK", "0") == "0")
+    phases.mark("started")
 
     import torch
 
     from eagle3lib import checkpoint, distributed, train, vocab
 
-    if phases:
-        phases.mark("imported")
+    phases.mark("imported")
 
     if a.threads:
         torch.set_num_threads(max(1, a.threads // max(processes, 1)))

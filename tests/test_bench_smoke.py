@@ -211,6 +211,11 @@ def test_workflow_gpu_smoke(tmp_path):
     first = json.loads((tmp_path / "work" / "workflow_gpu.json").read_text())["workflow"]
     assert rerun["train"]["tokens"] == first["jobs"]["train"]["tokens"] > 0
     assert rerun["train"]["resumed"] is False and rerun["train"]["phase_seconds"]["steps"] > 0
+    # the job ran again (its own summary), and both jobs' files were kept in the run's logs
+    logs = root / "results" / "wf8b" / "logs"
+    kept = [json.loads((logs / f"train.run{i}.summary.json").read_text()) for i in (0, 1)]
+    assert kept[0]["timeline"] != kept[1]["timeline"], kept
+    assert (logs / "train.run0.log").read_text() != (logs / "train.run1.log").read_text()
     assert (root / "results" / "wf8b" / "checkpoint" / "model.safetensors").exists()
     # where the disk went, per folder of the run and epoch of the training state
     disk = re.search(r"disk: (\{.*\})", out)
@@ -423,9 +428,10 @@ def test_workflow_gpu_splits_the_train_jobs_loop_by_phase(capsys):
 
 
 def test_workflow_gpu_reports_the_train_job_run_again(capsys):
-    """--rerun-train: the same job again (its keys under .rerun: on a GPU, torch.compile's cache
-    warm) and on two GPUs (under .2gpus, with the rule's scaling efficiency: steady tokens/s per
-    process against the run's own train job)."""
+    """--gpus 2 --train-gpus 1 --rerun-train 1 2 1: each train job's keys are named after the
+    GPUs it trained on; a rerun on as many GPUs as an earlier job takes .rerun (on a GPU,
+    torch.compile's cache warm), the next .rerun2; the two-GPU job's scaling efficiency is its
+    steady tokens/s against the first job's, both rank 0's own (the trainer's metrics)."""
 
     def train(wall, steady, processes, first_step):
         return {
@@ -444,7 +450,8 @@ def test_workflow_gpu_reports_the_train_job_run_again(capsys):
         "bench_extract": None,
         "reruns": [
             {"gpus": 1, "wall_seconds": 150.0, "train": train(145.0, 56_500.0, 1, 12.0)},
-            {"gpus": 2, "wall_seconds": 160.0, "train": train(120.0, 100_800.0, 2, 20.0)},
+            {"gpus": 2, "wall_seconds": 160.0, "train": train(120.0, 50_400.0, 2, 20.0)},
+            {"gpus": 1, "wall_seconds": 150.0, "train": train(146.0, 56_400.0, 1, 11.0)},
         ],
     }  # fmt: skip
     # as summary.json holds it, by name
@@ -458,19 +465,24 @@ def test_workflow_gpu_reports_the_train_job_run_again(capsys):
     assert [row.split(" | ")[:3] for row in rows] == [
         ["| train again, train.gpus 1", "145.0", "10,000"],
         ["| train again, train.gpus 2", "120.0", "12,083"],
+        ["| train again, train.gpus 1", "146.0", "9,932"],
     ], rows
     assert "steps 30.0 s (the first 12.0 s)" in rows[0] and "step eager" in rows[1], rows
+    assert "steady 50,400/s per rank;" in rows[1] and "steady 56,500/s;" in rows[0], rows
     assert rows[0].endswith(
         "; process timeline {'started': 2.0, 'imported': 9.5, 'loaders ready': 14.0} |"
     ), rows[0]
     assert "process timeline" not in rows[1], rows[1]
-    keys = dict(line.split(" = ") for line in out if line.startswith("workflow.2xh200.train."))
-    assert keys["workflow.2xh200.train.first_step_seconds"] == "106.5"
-    assert keys["workflow.2xh200.train.rerun.first_step_seconds"] == "12.0"
-    assert keys["workflow.2xh200.train.rerun.steady_tokens_per_s"] == "56500"
-    assert keys["workflow.2xh200.train.2gpus.steady_tokens_per_s"] == "100800"
-    assert keys["workflow.2xh200.train.2gpus.scaling_efficiency"] == "0.9"  # 50,400 / 56,000
-    assert "workflow.2xh200.train.rerun.scaling_efficiency" not in keys
+    keys = dict(line.split(" = ") for line in out if ".train." in line)
+    assert keys["workflow.h200.train.first_step_seconds"] == "106.5"
+    assert keys["workflow.h200.train.rerun.first_step_seconds"] == "12.0"
+    assert keys["workflow.h200.train.rerun.steady_tokens_per_s"] == "56500"
+    assert keys["workflow.h200.train.rerun2.first_step_seconds"] == "11.0"
+    assert keys["workflow.2xh200.train.steady_tokens_per_s"] == "50400"
+    assert keys["workflow.2xh200.train.scaling_efficiency"] == "0.9"  # 50,400 / 56,000
+    assert [k for k in keys if k.endswith("scaling_efficiency")] == [
+        "workflow.2xh200.train.scaling_efficiency"
+    ]
 
 
 def test_workflow_gpu_leaves_room_for_every_epochs_training_state():
