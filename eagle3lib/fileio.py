@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
 import os
+import queue
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,9 +147,64 @@ def fingerprinted_dir(path: str | os.PathLike, fingerprint: Any) -> bool:
     return False
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+def _read_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# {file identity: its digest, being computed} of the files hash_ahead was given
+_AHEAD: dict[tuple[int, ...], concurrent.futures.Future] = {}
+_AHEAD_CHUNK = 1 << 24  # a hashing thread takes the GIL once per 16 MiB (4 MiB: twice as slow
+#                         beside a thread importing modules)
+
+
+def _identity(path: str | os.PathLike) -> tuple[int, ...] | None:
+    """What changes when a file is written, replaced or touched; None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def hash_ahead(paths: Iterable[str | os.PathLike], threads: int = 8) -> None:
+    """Start computing the sha256 of these files in background threads (at most ``threads``):
+    a later ``sha256_file`` of one of them then waits for its digest instead of reading the
+    file again, while the file is unchanged (same inode, size and times). A job starts this
+    first, so that checking its inputs overlaps its imports and set-up; hashing and file reads
+    release the GIL. The threads are daemons: a job that fails meanwhile does not wait."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for path in paths:
+        key = _identity(path)
+        if key is None or key in _AHEAD:
+            continue
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        _AHEAD[key] = future
+        todo.put((path, future))
+    count = min(threads, todo.qsize())
+
+    def work() -> None:
+        while True:
+            try:
+                path, future = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(_read_sha256(path, _AHEAD_CHUNK))
+            except BaseException as exc:  # noqa: BLE001 - sha256_file reads it again itself
+                future.set_exception(exc)
+
+    for _ in range(count):
+        threading.Thread(target=work, name="hash_ahead", daemon=True).start()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The file's sha256 (hex); the digest hash_ahead computed when the file is unchanged."""
+    key = _identity(path)
+    future = _AHEAD.pop(key, None) if key is not None else None
+    if future is not None and future.exception() is None and _identity(path) == key:
+        return future.result()
+    return _read_sha256(path, chunk)

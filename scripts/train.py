@@ -14,7 +14,7 @@ from pathlib import Path
 import _bootstrap  # noqa: F401
 from eagle3lib.config import TrainConfig, from_json
 from eagle3lib.errors import cli
-from eagle3lib.fileio import atomic_path, write_json
+from eagle3lib.fileio import atomic_path, hash_ahead, write_json
 from eagle3lib.lifetime import Phases, hold_folders
 from eagle3lib.multinode import per_node, relaunch
 from eagle3lib.verifier import read_record
@@ -54,8 +54,11 @@ def main() -> None:
         os.execv(torchrun[0], torchrun)
     # this process's timeline (torchrun's workers each are a process of their own), logged by
     # the first
-    phases = Phases("train", echo=os.environ.get("RANK", "0") == "0")
+    first = os.environ.get("RANK", "0") == "0"
+    phases = Phases("train", echo=first)
     phases.mark("started")
+    if first:  # the first process checks the shards' hashes: begun now, beside the imports
+        hash_ahead(a.shards)
 
     import torch
 
