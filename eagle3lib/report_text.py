@@ -74,9 +74,9 @@ def training_time(training: dict[str, Any], rest: bool = False) -> str | None:
         return None
     first, compiling = training.get("first_step_seconds"), training.get("compile_seconds")
     flush = training.get("save_flush_seconds")
-    notes = {
+    notes = {  # fmt: skip
         "steps": f" (the first {first:.1f} s)" if first is not None else "",
-        "saves": f" (then their flush to the disk {flush:.1f} s, beside training)" * bool(flush),
+        "saves": f" (then their flush to the disk {flush:.1f} s, beside training)" if flush else "",
     }
     parts = [
         f"{PHASE_LABELS.get(name, name)} {phases[name]:.1f} s{notes.get(name, '')}"
