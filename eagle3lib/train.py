@@ -127,13 +127,24 @@ def draft_recompile_limit(num_layers: int) -> int:
 
 
 def build_draft(
-    cfg, record: dict[str, Any], aux: list[int], vocab_map: dict[str, torch.Tensor], attention: str
+    cfg,
+    record: dict[str, Any],
+    aux: list[int],
+    vocab_map: dict[str, torch.Tensor],
+    attention: str,
+    device: torch.device | None = None,
 ):
-    """Eagle3DraftModel exactly as speculators' CLI builds it for eagle3.
+    """Eagle3DraftModel exactly as speculators' CLI builds it for eagle3, on ``device`` (the
+    CPU's by default, as the CLI does).
 
     speculators takes the shape and vocab size from the language model of the verifier
     (``text_config``); its embeddings, final norm and LM head are the tensors resolved from the
-    verifier's architecture (``lm_weights``), not speculators' suffix search."""
+    verifier's architecture (``lm_weights``), not speculators' suffix search. speculators draws
+    random values for every parameter, the embeddings and both LM heads too (then replaced by
+    the verifier's): for an 8B verifier's one-layer draft that took 13.6 of build_draft's 16.3
+    s on a 2-core CPU (AMD EPYC), on the CPU's one-thread generator; a GPU draws them in
+    milliseconds. Its draws differ from the CPU's, so a draft built there starts from other
+    random layers than the CLI's (the same for the same seed)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
@@ -153,7 +164,7 @@ def build_draft(
             full_attention_indices=list(cfg.full_attention_layers),
             trust_remote_code=record["trust_remote_code"],
         )
-    with speculators_reads(record):
+    with speculators_reads(record), torch.device(device or "cpu"):
         model = Eagle3DraftModel.from_training_args(
             verifier_config=layer_config,
             t2d=vocab_map["t2d"],
@@ -174,6 +185,14 @@ def build_draft(
     model.config.speculators_config.verifier.name_or_path = record["name"]
     model.config.transformer_layer_config._name_or_path = ""  # noqa: SLF001
     return model
+
+
+def draft_device(cfg) -> torch.device | None:
+    """Where the train job builds the draft: on this rank's GPU (the trainer moves it there
+    anyway), except under FSDP, whose set-up shards a model built on the CPU; None: the CPU."""
+    if not torch.cuda.is_available() or (cfg.fsdp and world_size() > 1):
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 STAGING = ".staging"  # where a checkpoint is written before it is swapped in
@@ -474,7 +493,7 @@ def train(
     set_seed(cfg.seed)
     dtype = runtime["dtype"]
     allow_recompiles(draft_recompile_limit(cfg.num_layers))
-    model = build_draft(cfg, record, aux, vocab_map, runtime["attention"])
+    model = build_draft(cfg, record, aux, vocab_map, runtime["attention"], draft_device(cfg))
     mark("draft built")
     if storage == "fp8":  # dequantized on the device, inside the input pipeline
         model.register_forward_pre_hook(fp8_inputs(dtype), with_kwargs=True)
