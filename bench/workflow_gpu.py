@@ -706,8 +706,8 @@ def report(result: dict, a) -> None:
         f"workflow.{tag}.{ex}.shard_tokens": round(statistics.median(j["tokens"] for j in extract)),
         f"workflow.{tag}.{ex}.job_tokens_per_s": round(job_rate),
         f"workflow.{tag}.{ex}.job_tokens_per_s_min": round(min(j["tokens_per_s"] for j in extract)),
-        f"workflow.{tag}.{ex}.model_load_seconds": statistics.median(
-            j["model_load_seconds"] or 0 for j in extract
+        f"workflow.{tag}.{ex}.model_load_seconds": round(
+            statistics.median(j["model_load_seconds"] or 0 for j in extract), 1
         ),
         # what a job spends beside extracting: start-up, imports, load, manifest, Snakemake
         f"workflow.{tag}.{ex}.job_overhead_seconds": round(

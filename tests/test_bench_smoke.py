@@ -34,6 +34,17 @@ def test_extract_smoke(tmp_path):
     assert "extract.cpu.bytes_per_token = " in out
 
 
+def test_draft_build_smoke(tmp_path):
+    """bench/draft_build.py on a CPU (tiny shape, the CPU build only): its verifier, the
+    train job's draft built from it, the key line."""
+    import tiny
+
+    tiny.build_tokenizer(tmp_path / "xfer" / "tokenizer")
+    out = smoke("draft_build.py", "--rounds", "1", "--work", str(tmp_path / "work"),
+                "--xfer", str(tmp_path / "xfer"))  # fmt: skip
+    assert re.search(r"^draft_build\.cpu\.cpu_seconds = \d+\.\d\d$", out, re.M), out
+
+
 def test_newton_schulz_smoke(tmp_path):
     """Gram Newton-Schulz against torch's iteration at a SmolLM2-shaped draft's Muon shapes:
     the wide ones by Gram, at most half as far from the fp64 iteration; o_proj (square) by
