@@ -346,8 +346,6 @@ def train_figures(run_dir: Path, train: dict) -> dict:
         phase_seconds=summary.get("phase_seconds"),
         first_step_seconds=summary.get("first_step_seconds"),
         compile_seconds=summary.get("compile_seconds"),
-        save_flush_seconds=summary.get("save_flush_seconds"),
-        save_flush_waited_seconds=summary.get("save_flush_waited_seconds"),
     )
     metrics = [
         json.loads(line)
@@ -616,12 +614,7 @@ def train_keys(prefix: str, job: dict) -> dict:
     }
     if peak := job.get("gpu_memory_peak_bytes"):
         lines[f"{prefix}.peak_reserved_gib"] = round(peak["reserved"] / 2**30, 2)
-    for figure in (
-        "first_step_seconds",
-        "compile_seconds",
-        "save_flush_seconds",
-        "save_flush_waited_seconds",
-    ):
+    for figure in ("first_step_seconds", "compile_seconds"):
         if (value := job.get(figure)) is not None:
             lines[f"{prefix}.{figure}"] = round(value, 1)
     for phase, seconds in (job.get("phase_seconds") or {}).items():

@@ -43,8 +43,10 @@ def setup_distributed() -> int:
     return rank
 
 
-def distributed_rank() -> int:
-    return sd.get_rank()
+def launched_rank() -> int:
+    """This process's rank as torchrun started it (its RANK), known before the process group
+    is joined (speculators' own rank reads 0 until then); 0 without torchrun."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:

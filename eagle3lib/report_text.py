@@ -64,22 +64,16 @@ PHASE_LABELS = {
 
 def training_time(training: dict[str, Any], rest: bool = False) -> str | None:
     """Where the train job's time went, from its summary's ``phase_seconds``, the first step
-    inside the steps, the saves' flush to the disk beside them (``save_flush_seconds``, on a
-    background thread: the saves and the marking of the best epoch hold only its waits);
-    ``rest``: what the phases leave of its ``seconds`` (the trainer's set-up, waits at
-    barriers); then torch.compile's seconds, in whichever phase they fell. None for a summary
-    without them."""
+    inside the steps; ``rest``: what the phases leave of its ``seconds`` (the trainer's
+    set-up, waits at barriers); then torch.compile's seconds, in whichever phase they fell.
+    None for a summary without them."""
     phases = training.get("phase_seconds")
     if not phases:
         return None
     first, compiling = training.get("first_step_seconds"), training.get("compile_seconds")
-    flush = training.get("save_flush_seconds")
-    notes = {  # fmt: skip
-        "steps": f" (the first {first:.1f} s)" if first is not None else "",
-        "saves": f" (then their flush to the disk {flush:.1f} s, beside training)" if flush else "",
-    }
     parts = [
-        f"{PHASE_LABELS.get(name, name)} {phases[name]:.1f} s{notes.get(name, '')}"
+        f"{PHASE_LABELS.get(name, name)} {phases[name]:.1f} s"
+        + (f" (the first {first:.1f} s)" if name == "steps" and first is not None else "")
         for name in [*PHASE_LABELS, *sorted(set(phases) - set(PHASE_LABELS))]
         if name in phases
     ]

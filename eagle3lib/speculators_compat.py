@@ -163,41 +163,15 @@ def _fp32_state(original, _context) -> Callable:
 
 
 def _staged_saves(save, context: dict[str, Any]) -> Callable:
-    """``maybe_save_checkpoint`` writing into a staging folder that is swapped in whole, after
-    the save returned: flushed and swapped in on ``context["swaps"]``' thread (``train.Swaps``),
-    which the next save waits for first."""
+    """``maybe_save_checkpoint`` writing into a staging folder that is swapped in whole."""
     from eagle3lib.errors import as_disk_full
     from eagle3lib.train import STAGING, disk_warning, swap_in
 
-    trainer, rank, swaps = context["trainer"], context["rank"], context["swaps"]
+    trainer, rank = context["trainer"], context["rank"]
     checkpointer = trainer.checkpointer
     warned = []  # the disk warning is said once a process
 
-    def finish(root, staging, epoch) -> None:
-        try:
-            if (staging / str(epoch)).is_dir():
-                swap_in(staging / str(epoch), root / str(epoch))
-            shutil.rmtree(staging, ignore_errors=True)
-        except OSError as exc:  # a full disk may first show at the flush
-            full = as_disk_full(exc, root)
-            if full is None:
-                raise
-            raise full from None
-        if warned:
-            return
-        saved = [p for p in (root / str(epoch)).rglob("*") if p.is_file()]
-        line = disk_warning(
-            sum(p.stat().st_size for p in saved),
-            shutil.disk_usage(root).free,
-            trainer.config.num_epochs - epoch - 1,
-            root,
-        )
-        if line:
-            warned.append(line)
-            print(line, file=sys.stderr, flush=True)
-
     def atomic_save(epoch, local_step: int = 0):
-        swaps.wait()  # the last save in place before its staging folder is reused
         root = checkpointer.path
         staging = root / STAGING
         if rank == 0:
@@ -215,21 +189,23 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
         finally:
             checkpointer.path = root
         if rank == 0:
-            swaps.submit(functools.partial(finish, root, staging, epoch))
+            if (staging / str(epoch)).is_dir():
+                swap_in(staging / str(epoch), root / str(epoch))
+            shutil.rmtree(staging, ignore_errors=True)
+            if warned:
+                return
+            saved = [p for p in (root / str(epoch)).rglob("*") if p.is_file()]
+            line = disk_warning(
+                sum(p.stat().st_size for p in saved),
+                shutil.disk_usage(root).free,
+                trainer.config.num_epochs - epoch - 1,
+                root,
+            )
+            if line:
+                warned.append(line)
+                print(line, file=sys.stderr, flush=True)
 
     return atomic_save
-
-
-def _after_swaps(update_best, context: dict[str, Any]) -> Callable:
-    """``maybe_update_best`` once the epoch's saved state is in place (it writes into the
-    epoch's folder and points ``checkpoint_best`` at it): validation ran meanwhile."""
-    swaps = context["swaps"]
-
-    def update_best_after_swaps(*args, **kwargs):
-        swaps.wait()
-        return update_best(*args, **kwargs)
-
-    return update_best_after_swaps
 
 
 def _resolved_layers(_original, context: dict[str, Any]) -> Callable:
@@ -332,15 +308,8 @@ PATCHES: tuple[Patch, ...] = (
           SPECULATORS,
           "speculators writes a checkpoint's files in place over the epoch's previous one: a "
           "kill during the save would leave no usable checkpoint. Each save goes to a staging "
-          "folder swapped in whole (train.swap_in): flushed and swapped in on a background "
-          "thread (train.Swaps; files only, no collective), which the next save, the best "
-          "epoch's marking and the end of training wait for. On one trainer",
+          "folder swapped in whole (train.swap_in). On one trainer",
           f"{_TRAINER}.Trainer.maybe_save_checkpoint", on="trainer"),
-    Patch("staged_saves", f"{_TRAINER}.Trainer.maybe_update_best", _after_swaps, SPECULATORS,
-          "speculators writes the epoch's validation metrics into its checkpoint folder and "
-          "points checkpoint_best at it: it waits until the background swap (staged_saves) has "
-          "put that folder in place. On one trainer",
-          f"{_TRAINER}.Trainer.maybe_update_best", on="trainer"),
     Patch("resolved_verifier_weights", "speculators.utils.loading.load_model_layers",
           _resolved_layers, SPECULATORS,
           "speculators finds the verifier's embeddings, norm and LM head by a name-suffix "

@@ -374,8 +374,6 @@ class StreamingTrainer(Trainer):
         # the save its loop makes every checkpoint_freq of an epoch, whatever checkpoint_freq
         self.config = self.config._replace(checkpoint_freq=0.5, save_best=False)
         self.maybe_save_checkpoint(epoch, local_step=local_step)
-        if swaps := getattr(self, "swaps", None):  # train.Swaps: rank 0 swaps it in meanwhile
-            swaps.wait()
         barrier()  # no rank exits (its launcher then ends the others) before rank 0 swapped it in
         if self.rank == 0:
             print(

@@ -9,7 +9,6 @@ CPU-only machine and for exact resumption, is in ``speculators_compat``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -18,7 +17,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +143,7 @@ def build_draft(
     the verifier's): for an 8B verifier's one-layer draft that took 13.6 of build_draft's 16.3
     s on a 2-core CPU (AMD EPYC), on the CPU's one-thread generator; a GPU draws them in
     milliseconds. Its draws differ from the CPU's, so a draft built there starts from other
-    random layers than the CLI's (the same for the same seed)."""
+    random layers than the CLI's (the same for the same seed on the same GPU model)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
@@ -209,50 +208,6 @@ def swap_in(new: Path, final: Path) -> None:
     os.rename(new, final)
     fsync_tree(final.parent, recursive=False)  # ...and so are the renames
     shutil.rmtree(old, ignore_errors=True)
-
-
-class Swaps:
-    """Rank 0's saved states flushed to the disk and swapped in (``swap_in``) on one
-    background thread, in the order saved, while training goes on: a save's files are written
-    in the training thread, the wait for the disk is not. ``wait`` returns once every one is in
-    place, and raises what one raised. ``flush_seconds``: the thread's time; ``waited_seconds``:
-    the time ``wait`` held its callers."""
-
-    def __init__(self) -> None:
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: list[concurrent.futures.Future] = []
-        self.flush_seconds = 0.0
-        self.waited_seconds = 0.0
-
-    def submit(self, finish: Callable[[], None]) -> None:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swap_in")
-        self._pending.append(self._pool.submit(self._timed, finish))
-
-    def _timed(self, finish: Callable[[], None]) -> None:
-        start = time.perf_counter()
-        try:
-            finish()
-        finally:
-            self.flush_seconds += time.perf_counter() - start
-
-    def wait(self) -> None:
-        start = time.perf_counter()
-        pending, self._pending = self._pending, []
-        try:
-            for future in pending:
-                future.result()
-        finally:
-            self.waited_seconds += time.perf_counter() - start
-
-    def close(self) -> None:
-        """Wait for every swap, then end the thread."""
-        try:
-            self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
 
 
 def disk_warning(state_bytes: int, free_bytes: int, epochs_left: int, where: Path) -> str | None:
@@ -405,8 +360,7 @@ def _trainer_config(cfg, state_dir: Path, runtime: dict[str, Any]):
 
 def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, metrics_path):
     """Build the trainer and run it, its metrics recorded (rank 0) in ``metrics_path``; its
-    saved state is fp32 and swapped in whole (``speculators_compat``), on a background thread
-    (``Swaps``). Returns the trainer."""
+    saved state is fp32 and swapped in whole (``speculators_compat``). Returns the trainer."""
     recorder = MetricsRecorder(metrics_path) if rank == 0 else logging.NullHandler()
     metric_logger = logging.getLogger("speculators.metrics")
     metric_logger.addHandler(recorder)
@@ -419,18 +373,13 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
                 trainer.graph_step = cfg.graph_step
             if torch.accelerator.current_accelerator() is None:
                 trainer.device_type = "cpu"
-            trainer.swaps = Swaps()
-            try:
-                with speculators_patches(
-                    "fp32_state", "staged_saves",
-                    checkpointer=trainer.checkpointer, trainer=trainer, rank=rank,
-                    swaps=trainer.swaps,
-                ):  # fmt: skip
-                    trainer.phase_clock = PhaseClock()
-                    with trainer.phase_clock.timing(trainer):
-                        trainer.run_training()
-            finally:  # every saved state in place (also when training failed)
-                trainer.swaps.close()
+            with speculators_patches(
+                "fp32_state", "staged_saves",
+                checkpointer=trainer.checkpointer, trainer=trainer, rank=rank,
+            ):  # fmt: skip
+                trainer.phase_clock = PhaseClock()
+                with trainer.phase_clock.timing(trainer):
+                    trainer.run_training()
     finally:
         metric_logger.removeHandler(recorder)
         recorder.close()
@@ -589,10 +538,6 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         "data_wait_fraction": getattr(trainer, "data_wait_seconds", 0.0) / seconds
         if seconds
         else None,
-        # rank 0's saved states flushed to the disk and swapped in on a background thread:
-        # its seconds, and those the training thread waited for it (in "saves" and "best")
-        "save_flush_seconds": round(trainer.swaps.flush_seconds, 3),
-        "save_flush_waited_seconds": round(trainer.swaps.waited_seconds, 3),
     }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from speculators.train.data import BaseDataset
 
-from eagle3lib.distributed import distributed_rank
+from eagle3lib.distributed import launched_rank
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json
 from eagle3lib.shards import Shard, check_manifest, check_shard, dequantize_fp8, open_shard
@@ -42,12 +42,13 @@ def open_verified_shards(
             manifest["file"]["sha256"],
         )
         # one full hash per shard and process; under DDP only rank 0 reads the shards to hash
+        # (this runs before the process group is joined: the rank torchrun gave)
         checks.append((path, manifest, Path(manifest_path), key))
 
     def check(item) -> UserError | None:
         path, manifest, _, key = item
         try:
-            check_shard(path, manifest, full_hash=key not in _VERIFIED and distributed_rank() == 0)
+            check_shard(path, manifest, full_hash=key not in _VERIFIED and launched_rank() == 0)
         except UserError as exc:
             return exc
         return None
@@ -66,7 +67,8 @@ def open_verified_shards(
             f"{str(exc).split(';')[0]}{others}; removed its manifest {manifest_path}: rerun the "
             "workflow to rebuild this shard"
         )
-    _VERIFIED.update(key for *_, key in checks)
+    if launched_rank() == 0:  # hashed here
+        _VERIFIED.update(key for *_, key in checks)
     return [open_shard(path) for path, *_ in checks]
 
 

@@ -57,7 +57,9 @@ def main() -> None:
     first = os.environ.get("RANK", "0") == "0"
     phases = Phases("train", echo=first)
     phases.mark("started")
-    if first:  # the first process checks the shards' hashes: begun now, beside the imports
+    # the first process hashes the shards for their check (train_data.open_verified_shards):
+    # begun now, beside the imports
+    if first:
         hash_ahead(a.shards)
 
     import torch

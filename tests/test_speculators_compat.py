@@ -43,9 +43,6 @@ PINNED_SOURCES = {
     "speculators.train.trainer.Trainer.maybe_save_checkpoint": (
         "a47374ee736fb108fe596b1b3474140276790abc77536fac263476cd4f11efce"
     ),
-    "speculators.train.trainer.Trainer.maybe_update_best": (
-        "24d77e79888b05a75e534489b137f877702ef0a7765e9250e7cea6303a885656"
-    ),
     "speculators.utils.loading.load_model_layers": (
         "ea974cfab0fce32a2945924f3ce56131edd0a26e6a0c4ecc1df7f4b96e4cca4b"
     ),

@@ -621,51 +621,6 @@ def test_swap_in_flushes_the_checkpoint_before_it_replaces_the_old_one(tmp_path,
     assert not final.with_name("0.old").exists()
 
 
-def test_saved_states_are_swapped_in_on_a_thread_while_validation_runs(
-    pipeline, tmp_path, monkeypatch
-):
-    """A save's files are written by the training thread; their flush and swap into place
-    (swap_in) run on train.Swaps' thread, while the epoch's validation runs; the best epoch is
-    marked once its folder is in place, and training ends with every epoch's in place."""
-    import threading
-
-    events = []
-    swap_in = train.swap_in
-
-    def slow_swap_in(new, final):
-        events.append(("swap", final.name, threading.current_thread().name))
-        time.sleep(1.0)
-        swap_in(new, final)
-        events.append(("swapped", final.name))
-
-    def recorded(name, method):
-        def record(self, epoch, *args, **kwargs):
-            events.append((name, str(epoch), (tmp_path / "state" / str(epoch)).is_dir()))
-            return method(self, epoch, *args, **kwargs)
-
-        return record
-
-    trainer_class = streaming_trainer.StreamingTrainer
-    monkeypatch.setattr(train, "swap_in", slow_swap_in)
-    for name in ("val_epoch", "maybe_update_best"):
-        monkeypatch.setattr(trainer_class, name, recorded(name, getattr(trainer_class, name)))
-    stats = train.train(
-        pipeline["train_cfg"], pipeline["record"], pipeline["shards"], pipeline["manifests"],
-        pipeline["vocab_map"], tmp_path / "state", tmp_path / "metrics.jsonl",
-    )  # fmt: skip
-    for epoch in ("0", "1"):
-        assert ("swap", epoch, "swap_in_0") in events  # on Swaps' thread
-        swapped = events.index(("swapped", epoch))
-        validation = events.index(("val_epoch", epoch, False))  # before its folder is in place
-        assert validation < swapped < events.index(("maybe_update_best", epoch, True))
-    assert stats["save_flush_seconds"] >= 2.0
-    assert 0 < stats["save_flush_waited_seconds"] < stats["save_flush_seconds"]
-    best = (tmp_path / "state" / "checkpoint_best").resolve()
-    assert best.parent == tmp_path / "state" and best.name in ("0", "1")
-    assert Path(stats["final_epoch_dir"]) == tmp_path / "state" / "1"
-    assert not (tmp_path / "state" / train.STAGING).exists()
-
-
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, None], ids=str)
 @pytest.mark.parametrize("prev_rows", [1, 2, None], ids=["prev", "prev-broadcast", "no-prev"])
 def test_accuracy_counts_equal_speculators_without_masked_select(mask_dtype, prev_rows):
@@ -766,6 +721,7 @@ def test_files_hashed_ahead_are_read_once_and_a_changed_one_again(tmp_path, monk
         return read(path, chunk)
 
     monkeypatch.setattr(fileio, "_read_sha256", counted)
+    monkeypatch.setattr(fileio, "_AHEAD", {})  # this test's own
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     a.write_bytes(b"x" * 5_000_000)
     b.write_bytes(b"y" * 100)
@@ -776,9 +732,48 @@ def test_files_hashed_ahead_are_read_once_and_a_changed_one_again(tmp_path, monk
 
     reads.clear()
     fileio.hash_ahead([a])
-    a.write_bytes(b"z" * 4_000_000)  # replaced after (or while) it was hashed
-    assert fileio.sha256_file(a) == hashlib.sha256(b"z" * 4_000_000).hexdigest()
+    (tmp_path / "new.bin").write_bytes(b"z" * 5_000_000)  # the same size, other bytes
+    (tmp_path / "new.bin").replace(a)  # replaced after (or while) it was hashed
+    assert fileio.sha256_file(a) == hashlib.sha256(b"z" * 5_000_000).hexdigest()
     assert reads.count("a.bin") in (1, 2)  # the changed file read again by sha256_file
+
+
+def test_the_draft_is_built_on_the_rank_gpu_except_under_fsdp(monkeypatch):
+    """train.draft_device: this rank's GPU (speculators' random initialisation there), the
+    CPU without one and under FSDP over several processes (its set-up shards a CPU model)."""
+    from eagle3lib.config import TrainConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(train, "world_size", lambda: 2)
+    assert train.draft_device(TrainConfig()) == torch.device("cuda", 3)
+    assert train.draft_device(TrainConfig(fsdp=True)) is None
+    monkeypatch.setattr(train, "world_size", lambda: 1)
+    assert train.draft_device(TrainConfig(fsdp=True)) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.draft_device(TrainConfig()) is None
+
+
+def test_only_the_first_process_hashes_the_shards(pipeline, monkeypatch, tmp_path):
+    """Under DDP the shards are checked before the process group is joined: the process that
+    torchrun started as rank 0 (RANK) hashes them, the others only check their sizes."""
+    import shutil
+
+    from eagle3lib import fileio
+
+    for path in (*pipeline["shards"], *pipeline["manifests"]):
+        shutil.copy(path, tmp_path / path.name)
+    shards = [tmp_path / p.name for p in pipeline["shards"]]
+    manifests = [tmp_path / p.name for p in pipeline["manifests"]]
+    reads = []
+    monkeypatch.setattr(fileio, "_read_sha256", lambda path, chunk=0: reads.append(path) or "")
+    monkeypatch.setenv("RANK", "1")
+    assert len(train_data.open_verified_shards(shards, manifests, {})) == 2
+    assert reads == []
+    monkeypatch.setenv("RANK", "0")  # whose digests ("") match no manifest
+    with pytest.raises(UserError, match="content does not match the sha256 in its manifest"):
+        train_data.open_verified_shards(shards, manifests, {})
+    assert len(reads) == 2
 
 
 def test_fp8_batches_reach_the_draft_as_the_bf16_batches_quantized(pipeline, fp8_shards):
