@@ -46,16 +46,6 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def vocab_map(vocab: int, draft: int):
-    """A draft vocabulary of ``draft`` token ids spread over the verifier's ``vocab``."""
-    import torch
-
-    d2t_ids = torch.linspace(0, vocab - 1, draft).long()
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[d2t_ids] = True
-    return {"t2d": t2d, "d2t": d2t_ids - torch.arange(draft)}
-
-
 def compare(cpu, gpu) -> dict:
     """What the two drafts share: equal verifier tensors; the random ones' std ratio."""
     a = {k: v.float().cpu() for k, v in cpu.state_dict().items()}
@@ -72,9 +62,10 @@ def compare(cpu, gpu) -> dict:
 
 def main(argv=None) -> None:
     a = parse(argv)
+    import numpy as np
     import torch
 
-    from eagle3lib import config, train
+    from eagle3lib import config, train, vocab
     from eagle3lib.config import TrainConfig
     from eagle3lib.verifier import materialize
 
@@ -88,7 +79,9 @@ def main(argv=None) -> None:
     draft_vocab = 512 if a.smoke else 32000
     cfg = TrainConfig(draft_vocab_size=draft_vocab)
     aux = config.resolve_aux_layers(None, record["num_hidden_layers"])
-    maps = vocab_map(shape["vocab_size"], draft_vocab)
+    # the vocab stage's own map, from counts that take every third token id
+    d2t, t2d = vocab.build((np.arange(shape["vocab_size"]) % 3 == 0).astype(np.int64), draft_vocab)
+    maps = {"d2t": d2t, "t2d": t2d}
     devices = [None, torch.device("cuda", 0)] if gpu else [None]
     seconds: dict[str, list[float]] = {"cpu": [], "gpu": []}
     last = {}
