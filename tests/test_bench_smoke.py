@@ -45,6 +45,46 @@ def test_draft_build_smoke(tmp_path):
     assert re.search(r"^draft_build\.cpu\.cpu_seconds = \d+\.\d\d$", out, re.M), out
 
 
+def test_resume_smoke(tmp_path):
+    """bench/resume.py on a CPU (tiny shape): the runs stopped mid-epoch and at the first
+    epoch's end exit as the train job does and, resumed, end with the reference's files."""
+    smoke("resume.py", "--out", str(tmp_path), "--samples", "30", "--stop-at", "2")
+    result = json.loads((tmp_path / "bench_resume.json").read_text())
+    assert result["steps"] == 2 * result["first_epoch_steps"] > 2
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == ["again", "mid_epoch", "epoch_end"]
+    assert (runs["mid_epoch"]["exit_code"], runs["epoch_end"]["exit_code"]) == (143, 130)
+    assert runs["epoch_end"]["stopped_after"] == result["first_epoch_steps"]
+    assert all(r["files_equal"] and r["weights_max_abs_difference"] == 0 for r in runs.values())
+    assert [r["resumed"] for r in runs.values()] == [False, True, True]
+
+
+def test_resume_comparison_finds_a_changed_weight_and_loss(tmp_path):
+    """bench/resume.py's comparison is not blind: one weight changed by 1e-3 and one loss
+    changed are found, with the file that differs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import resume
+    import torch
+    from safetensors.torch import save_file
+
+    runs = []
+    for name, bump in (("a", 0.0), ("b", 1e-3)):
+        final = tmp_path / name
+        final.mkdir()
+        w = torch.zeros(3, 2)
+        w[1, 1] += bump
+        save_file({"w": w, "d2t": torch.arange(4)}, str(final / "model.safetensors"))
+        (final / "training_state.json").write_text("{}")
+        losses = [2.0, 1.5, 1.25 + bump]
+        runs.append({"final": final, "digests": resume.folder_digests(final), "losses": losses})
+    found = resume.compare(*runs)
+    assert found["files_equal"] is False and found["files_differing"] == ["model.safetensors"]
+    assert found["weights_max_abs_difference"] == pytest.approx(1e-3)
+    assert found["first_differing_step"] == 2
+    assert found["losses_max_relative_difference"] == pytest.approx(1e-3 / 1.25)
+    assert resume.compare(runs[0], runs[0])["files_equal"] is True
+
+
 def test_newton_schulz_smoke(tmp_path):
     """Gram Newton-Schulz against torch's iteration at a SmolLM2-shaped draft's Muon shapes:
     the wide ones by Gram, at most half as far from the fp64 iteration; o_proj (square) by
