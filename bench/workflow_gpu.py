@@ -559,18 +559,20 @@ def disk_report(run_dir: Path) -> dict[str, float]:
     return out
 
 
-# The one-layer draft's training state of an epoch (model, optimiser), each epoch's kept
-# (measured on an H100, 2026-12-06: 4.98 GB), and what a run writes beside its shards and
-# states (the exported checkpoint, 1.9 GB; logs, reports, vocab; a margin)
+# The one-layer draft's training state of an epoch (model, optimiser; measured on an H100,
+# 2026-12-06: 4.98 GB), and what a run writes beside its shards and states (the exported
+# checkpoint, 1.9 GB; logs, reports, vocab; a margin)
 STATE_BYTES_PER_EPOCH = 5e9
 OTHER_BYTES = 9e9
 
 
 def disk_reserve(epochs: int) -> float:
-    """Bytes to leave free beside the shards for ``epochs`` epochs: each one's state, one more
-    staged while the last is saved, and the rest (with 12 GB for 2 epochs a run on one H200
-    filled the disk writing its second epoch's optimiser state, 2026-12-05)."""
-    return OTHER_BYTES + STATE_BYTES_PER_EPOCH * (epochs + 1)
+    """Bytes to leave free beside the shards for ``epochs`` epochs: the states the train job
+    keeps (train.keep_states 1, the default: the newest and, where an older epoch validated
+    better, that one), one more staged while the next is saved, and the rest (with 12 GB for 2
+    epochs, every epoch's state kept then, a run on one H200 filled the disk writing its
+    second epoch's optimiser state, 2026-12-05)."""
+    return OTHER_BYTES + STATE_BYTES_PER_EPOCH * (min(epochs, 2) + 1)
 
 
 def train_phases(job: dict) -> str:

@@ -222,6 +222,7 @@ class TrainConfig:
     seed: int = 42
     max_steps: int | None = None
     checkpoint_freq: float = 1.0
+    keep_states: int = 1  # the newest epochs' states kept (0: every epoch's)
     fsdp: bool = False
     log_every: int = 10
     loader_workers: int = 0

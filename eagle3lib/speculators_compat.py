@@ -165,9 +165,10 @@ def _fp32_state(original, _context) -> Callable:
 def _staged_saves(save, context: dict[str, Any]) -> Callable:
     """``maybe_save_checkpoint`` writing into a staging folder that is swapped in whole."""
     from eagle3lib.errors import as_disk_full
-    from eagle3lib.train import STAGING, disk_warning, swap_in
+    from eagle3lib.train import STAGING, disk_warning, epoch_dirs, prune_states, swap_in
 
     trainer, rank = context["trainer"], context["rank"]
+    keep = context.get("keep_states", 0)  # train.keep_states (0: every epoch's)
     checkpointer = trainer.checkpointer
     warned = []  # the disk warning is said once a process
 
@@ -191,6 +192,7 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
         if rank == 0:
             if (staging / str(epoch)).is_dir():
                 swap_in(staging / str(epoch), root / str(epoch))
+                prune_states(root, keep)  # the older ones, now that this one is whole
             shutil.rmtree(staging, ignore_errors=True)
             if warned:
                 return
@@ -200,6 +202,8 @@ def _staged_saves(save, context: dict[str, Any]) -> Callable:
                 shutil.disk_usage(root).free,
                 trainer.config.num_epochs - epoch - 1,
                 root,
+                keep,
+                len(epoch_dirs(root)),
             )
             if line:
                 warned.append(line)
@@ -308,7 +312,8 @@ PATCHES: tuple[Patch, ...] = (
           SPECULATORS,
           "speculators writes a checkpoint's files in place over the epoch's previous one: a "
           "kill during the save would leave no usable checkpoint. Each save goes to a staging "
-          "folder swapped in whole (train.swap_in). On one trainer",
+          "folder swapped in whole (train.swap_in); then only the newest train.keep_states "
+          "epochs' folders stay (train.prune_states). On one trainer",
           f"{_TRAINER}.Trainer.maybe_save_checkpoint", on="trainer"),
     Patch("resolved_verifier_weights", "speculators.utils.loading.load_model_layers",
           _resolved_layers, SPECULATORS,

@@ -360,7 +360,7 @@ class StreamingTrainer(Trainer):
                 self.stop_vote.counted()
             if self.stop_request.signum is not None and self.rank == 0:  # exits as asked
                 print(
-                    f"train: stopped by {self.stop_request.name} after the last step; every "
+                    f"train: stopped by {self.stop_request.name} after the last step; the last "
                     "epoch's state is saved: a rerun exports the checkpoint",
                     file=sys.stderr,
                     flush=True,

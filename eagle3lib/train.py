@@ -210,18 +210,40 @@ def swap_in(new: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def disk_warning(state_bytes: int, free_bytes: int, epochs_left: int, where: Path) -> str | None:
+def states_to_add(epochs_left: int, keep: int, kept_now: int) -> int:
+    """How many more epoch states the disk must hold at once than the ``kept_now`` on it:
+    every epoch's still to be saved (``keep`` 0, train.keep_states), or, keeping the newest
+    ``keep`` (``prune_states``), as many as bring them up to ``keep`` and one more, the state
+    staged before the oldest is removed."""
+    if epochs_left <= 0:
+        return 0
+    if keep == 0:
+        return epochs_left
+    return min(epochs_left, max(keep - kept_now, 0) + 1)
+
+
+def disk_warning(
+    state_bytes: int, free_bytes: int, epochs_left: int, where: Path, keep: int = 0,
+    kept_now: int = 1,
+) -> str | None:  # fmt: skip
     """A line for the log when the epochs still to be saved will not fit on the disk: each
-    keeps its own folder of ``state_bytes`` (the last one saved), and ``free_bytes`` are left
-    at ``where``; None when they fit (or none are left)."""
-    need = state_bytes * epochs_left
-    if epochs_left <= 0 or free_bytes >= need:
+    state takes ``state_bytes`` (the last one saved), ``free_bytes`` are left at ``where``,
+    and the newest ``keep`` states stay (0: all; ``states_to_add``); None when they fit (or
+    none are left)."""
+    more = states_to_add(epochs_left, keep, kept_now)
+    need = state_bytes * more
+    if more == 0 or free_bytes >= need:
         return None
+    saved = (
+        f"{epochs_left} more are to be saved ({need / 1e9:.3g} GB)"
+        if more == epochs_left
+        else f"{epochs_left} more are to be saved, keeping the newest {keep} (room for {more} "
+        f"more at once: {need / 1e9:.3g} GB)"
+    )
     return (
-        f"train: warning: an epoch's state takes {state_bytes / 1e9:.3g} GB and {epochs_left} "
-        f"more are to be saved ({need / 1e9:.3g} GB), but {where} has {free_bytes / 1e9:.3g} "
-        "GB free: free disk space before then, or the job stops at a full disk (a rerun "
-        "resumes from the last state saved)"
+        f"train: warning: an epoch's state takes {state_bytes / 1e9:.3g} GB and {saved}, but "
+        f"{where} has {free_bytes / 1e9:.3g} GB free: free disk space before then, or the job "
+        "stops at a full disk (a rerun resumes from the last state saved)"
     )
 
 
@@ -248,7 +270,7 @@ def with_loader_threads(cfg, configured: int | None, threads: int, processes: in
 
 
 # train.* keys that do not change what is trained (its state stays resumable when they change)
-RESOURCE_KEYS = ("gpus", "checkpoint_freq", "loader_threads", "graph_step")
+RESOURCE_KEYS = ("gpus", "checkpoint_freq", "keep_states", "loader_threads", "graph_step")
 
 
 def _expected_shards(manifests: list[dict], record: dict[str, Any]) -> dict[str, Any]:
@@ -376,6 +398,7 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
             with speculators_patches(
                 "fp32_state", "staged_saves",
                 checkpointer=trainer.checkpointer, trainer=trainer, rank=rank,
+                keep_states=cfg.keep_states,
             ):  # fmt: skip
                 trainer.phase_clock = PhaseClock()
                 with trainer.phase_clock.timing(trainer):
@@ -485,6 +508,8 @@ def train(
             file=sys.stderr,
             flush=True,
         )
+    if rank == 0:  # an earlier best left by the last save (validation comes after a save)
+        prune_states(state_dir, cfg.keep_states)
     final = last_epoch_dir(state_dir)
     if final is None:
         raise UserError(f"training finished without a checkpoint in {state_dir}")
@@ -561,8 +586,9 @@ def compile_seconds() -> float | None:
     )
 
 
-def last_epoch_dir(state_dir: Path) -> Path | None:
-    """speculators' newest epoch checkpoint folder (``<state>/<epoch>/model.safetensors``)."""
+def epoch_dirs(state_dir: Path) -> list[Path]:
+    """speculators' epoch checkpoint folders (``<state>/<epoch>/model.safetensors``), oldest
+    first."""
     epochs = [
         int(d.name)
         for d in state_dir.iterdir()
@@ -571,7 +597,26 @@ def last_epoch_dir(state_dir: Path) -> Path | None:
         and d.name.isdigit()
         and (d / "model.safetensors").exists()
     ]
-    return state_dir / str(max(epochs)) if epochs else None
+    return [state_dir / str(e) for e in sorted(epochs)]
+
+
+def last_epoch_dir(state_dir: Path) -> Path | None:
+    """speculators' newest epoch checkpoint folder, the one a rerun resumes from."""
+    epochs = epoch_dirs(state_dir)
+    return epochs[-1] if epochs else None
+
+
+def prune_states(state_dir: Path, keep: int) -> list[Path]:
+    """Remove the epoch folders older than the newest ``keep`` (train.keep_states; 0 keeps
+    all), once the newest is whole (after ``swap_in``), except the one speculators' link
+    ``checkpoint_best`` names (the lowest validation loss so far: a resumed run reads it back,
+    as an uninterrupted one keeps it); returns the folders removed."""
+    best = state_dir / "checkpoint_best"
+    best_name = Path(os.readlink(best)).name if best.is_symlink() else None
+    old = [d for d in (epoch_dirs(state_dir)[:-keep] if keep else []) if d.name != best_name]
+    for folder in old:
+        shutil.rmtree(folder)
+    return old
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -331,12 +331,16 @@ def extract_section():
 def train_section():
     """The train section as its rule's parameter: GPU, node and loader-thread counts are
     resources (like the GPUs of one node, the nodes set how many processes share the work);
-    newton_schulz only when not gram and graph_step only when not auto, their defaults (runs
-    made before the keys stay current).
+    newton_schulz only when not gram, graph_step only when not auto and keep_states only when
+    not 1, their defaults (runs made before the keys stay current).
     """
-    gram = ("newton_schulz",) if config["train"]["newton_schulz"] == "gram" else ()
-    auto = ("graph_step",) if config["train"]["graph_step"] == "auto" else ()
-    return section("train", drop=("gpus", "nodes", "loader_threads", *gram, *auto))
+    train = config["train"]
+    gram = ("newton_schulz",) if train["newton_schulz"] == "gram" else ()
+    auto = ("graph_step",) if train["graph_step"] == "auto" else ()
+    one = ("keep_states",) if train["keep_states"] == 1 else ()
+    return section(
+        "train", drop=("gpus", "nodes", "loader_threads", *gram, *auto, *one)
+    )
 
 
 def train_resources():

@@ -536,11 +536,12 @@ def test_workflow_gpu_reports_the_train_job_run_again(capsys):
     ]
 
 
-def test_workflow_gpu_leaves_room_for_every_epochs_training_state():
+def test_workflow_gpu_leaves_room_for_the_training_states_the_job_keeps():
     """Without --tokens the shards take the disk but this: 24 GB for 2 epochs (what a 2-epoch
-    run needed, 2026-12-05/06), 5 GB more for each further epoch's state."""
+    run needed, 2026-12-05/06), and no more for further epochs: the train job keeps at most
+    the newest state and the best one (train.keep_states: 1, the default)."""
     module = workflow_gpu_module()
-    assert [module.disk_reserve(e) for e in (1, 2, 4)] == [19e9, 24e9, 34e9]
+    assert [module.disk_reserve(e) for e in (1, 2, 4)] == [19e9, 24e9, 24e9]
 
 
 @pytest.mark.parametrize(

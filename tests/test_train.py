@@ -945,7 +945,9 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
     err = capfd.readouterr().err
     name = signal.Signals(signum).name
     if at is None:
-        assert f"train: stopped by {name} after the last step; every epoch's state is saved" in err
+        assert (
+            f"train: stopped by {name} after the last step; the last epoch's state is saved" in err
+        )
         last = train.read_metrics(state / "m.jsonl")[-1]
         assert "val" in last and last["epoch"] == 1  # the validation it came in finished
     else:
@@ -986,6 +988,72 @@ def test_the_weights_checksum_tells_a_one_bit_change():
         bits[0] ^= 1
     assert torch.equal(before, distributed.weights_checksum(model))
     assert distributed.ranks_agree(model) is None
+
+
+def test_keeping_the_newest_states_asks_room_for_those_up_to_keep_and_one_staged():
+    """train.states_to_add: keeping every epoch's state, each one to come; keeping the newest
+    k, as many as bring those on the disk to k, and one more staged before the oldest goes."""
+    assert [train.states_to_add(5, 0, 1), train.states_to_add(0, 0, 1)] == [5, 0]
+    assert [train.states_to_add(left, 1, 1) for left in (0, 1, 5)] == [0, 1, 1]
+    assert [train.states_to_add(left, 3, 1) for left in (1, 2, 3, 9)] == [1, 2, 3, 3]
+    assert [train.states_to_add(9, 3, 3), train.states_to_add(9, 1, 2)] == [1, 1]  # 2: a best
+
+
+def test_the_disk_warning_counts_only_the_states_kept(tmp_path):
+    """Keeping the newest state (train.keep_states: 1, the default), 3 epochs to come need room
+    for one more at once: no warning with 5 GB free for 4.1 GB states, and the line says so
+    where even that does not fit."""
+    assert train.disk_warning(4_100_000_000, 5_000_000_000, 3, tmp_path, 1, 1) is None
+    line = train.disk_warning(4_100_000_000, 3_000_000_000, 3, tmp_path, 1, 1)
+    assert line == (
+        "train: warning: an epoch's state takes 4.1 GB and 3 more are to be saved, keeping the "
+        f"newest 1 (room for 1 more at once: 4.1 GB), but {tmp_path} has 3 GB free: free disk "
+        "space before then, or the job stops at a full disk (a rerun resumes from the last "
+        "state saved)"
+    )
+
+
+def test_prune_states_removes_only_epoch_folders_older_than_the_newest_kept(tmp_path):
+    """train.prune_states: the newest ``keep`` epoch folders holding a model stay, and the one
+    speculators' ``checkpoint_best`` links to; older ones go; anything else in the state
+    folder (metrics, a folder without a model, a staging or moved-aside folder, speculators'
+    ``interrupted``) is left; keep 0 removes nothing."""
+    for name in ("0", "1", "2", "3", "10", "interrupted", "4.old", ".staging"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "11").mkdir()  # no model: not a checkpoint (a save under way writes staging)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "checkpoint_best").symlink_to("1", target_is_directory=True)  # as speculators
+    assert train.prune_states(tmp_path, 0) == []
+    removed = train.prune_states(tmp_path, 2)  # by number: 10 is the newest
+    assert removed == [tmp_path / "0", tmp_path / "2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".staging", "1", "10", "11", "3", "4.old", "checkpoint_best", "interrupted",
+        "metrics.jsonl",
+    ]  # fmt: skip
+    (tmp_path / "checkpoint_best").unlink()
+    assert train.prune_states(tmp_path, 1) == [tmp_path / "1", tmp_path / "3"]
+    assert train.last_epoch_dir(tmp_path) == tmp_path / "10"
+
+
+def test_a_run_keeps_the_newest_epochs_state_by_default_and_every_one_with_keep_states_0(
+    pipeline, tmp_path
+):
+    """Three epochs: train.keep_states 1 (the default) leaves the last epoch's state and the
+    one speculators' ``checkpoint_best`` links to, 0 every epoch's; the final weights and
+    the link are the same either way."""
+    kept, best = {}, {}
+    for keep in (1, 0):
+        state = tmp_path / str(keep)
+        stats = train_pipeline(pipeline, state, epochs=3, keep_states=keep)
+        kept[keep] = sorted(p.name for p in state.iterdir() if p.is_dir() and p.name.isdigit())
+        best[keep] = (state / "checkpoint_best").readlink().name
+        assert (state / "checkpoint_best" / "model.safetensors").exists()  # not dangling
+        assert Path(stats["final_epoch_dir"]) == state / "2"
+    assert best[0] == best[1]
+    assert kept == {1: sorted({"2", best[1]}), 0: ["0", "1", "2"]}
+    assert_same_bytes(tmp_path / "1" / "2" / "model.safetensors",
+                      tmp_path / "0" / "2" / "model.safetensors")  # fmt: skip
 
 
 def test_the_disk_warning_names_the_sizes_only_when_the_epochs_to_come_do_not_fit(tmp_path):

@@ -266,6 +266,22 @@ def test_graph_step_auto_reruns_nothing_and_true_or_false_rerun_train_only(ws):
     assert "Nothing to be done" in ws.run("-n")
 
 
+def test_keep_states_1_reruns_nothing_and_0_reruns_train_only(ws):
+    """train.keep_states: 1, its default, leaves the train rule's parameters as runs before the
+    key made them; 0 (every epoch's state kept) reruns the train job (which resumes from its
+    newest state), never the extraction. Dry runs: the results stay as they were."""
+    stamp = ws.results / "checkpoint" / "provenance-train.json"
+    assert "keep_states" not in stamp.read_text()
+    ws.write(train={"keep_states": 1})
+    one = ws.run("-n")
+    ws.write(train={"keep_states": 0})
+    every = ws.run("-n")
+    ws.write(train={"keep_states": 1})
+    assert "Nothing to be done" in one and job_counts(one) == {}, one
+    assert "train" in job_counts(every) and "extract" not in job_counts(every), every
+    assert "Nothing to be done" in ws.run("-n")
+
+
 def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
     """data.train.dedupe: false is how every run before the key was made (the rules' parameters
     leave it out); true changes the prepared samples, so prepare and what follows rerun. The
