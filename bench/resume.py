@@ -16,7 +16,9 @@ metrics every step, in one process:
     mid_epoch    SIGTERM after step --stop-at; the job saves and exits 143; then resumed
     epoch_end    SIGINT after the first epoch's last step (exit 130); then resumed
 
-Each run's final epoch folder is compared file by file with the reference's (sha256), its
+A stopped run must have exited as the train job does (128 + the signal) and resumed, and
+no step may be logged twice (the script stops otherwise). Each run's final epoch folder is
+compared file by file with the reference's (sha256), its
 ``model.safetensors`` tensor by tensor (the largest absolute difference), and its losses with
 the reference's (the first step that differs, the largest relative difference). With
 ``--deterministic`` two more runs train under ``torch.use_deterministic_algorithms(True,
@@ -178,6 +180,12 @@ def main(argv=None) -> int:
                 exit_code = stop.code
         stats = train.train(cfg, record, shards, manifests, vocab_map, state, state / "m.jsonl")
         final = Path(stats["final_epoch_dir"])
+        if at is not None and (exit_code != 128 + signum or stats["resumed"] is not True):
+            raise SystemExit(f"{name}: the stop after step {at} did not happen as asked (exit "
+                             f"{exit_code}, resumed {stats['resumed']})")  # fmt: skip
+        logged = [m["global_step"] for m in train.read_metrics(state / "m.jsonl") if "train" in m]
+        if logged != sorted(set(logged)):
+            raise SystemExit(f"{name}: a step ran twice or out of order: {logged}")
         return {
             "name": name,
             "stopped_after": at,

@@ -195,6 +195,7 @@ def draft_device(cfg) -> torch.device | None:
 
 
 STAGING = ".staging"  # where a checkpoint is written before it is swapped in
+PRUNING = ".pruning-"  # an older epoch's state being removed (prune_states)
 
 
 def swap_in(new: Path, final: Path) -> None:
@@ -213,13 +214,13 @@ def swap_in(new: Path, final: Path) -> None:
 def states_to_add(epochs_left: int, keep: int, kept_now: int) -> int:
     """How many more epoch states the disk must hold at once than the ``kept_now`` on it:
     every epoch's still to be saved (``keep`` 0, train.keep_states), or, keeping the newest
-    ``keep`` (``prune_states``), as many as bring them up to ``keep`` and one more, the state
-    staged before the oldest is removed."""
+    ``keep`` and the best one (``prune_states``), as many as bring them up to ``keep`` + 1 and
+    one more, the state staged before the oldest is removed."""
     if epochs_left <= 0:
         return 0
     if keep == 0:
         return epochs_left
-    return min(epochs_left, max(keep - kept_now, 0) + 1)
+    return min(epochs_left, max(keep + 1 - kept_now, 0) + 1)
 
 
 def disk_warning(
@@ -228,8 +229,8 @@ def disk_warning(
 ) -> str | None:  # fmt: skip
     """A line for the log when the epochs still to be saved will not fit on the disk: each
     state takes ``state_bytes`` (the last one saved), ``free_bytes`` are left at ``where``,
-    and the newest ``keep`` states stay (0: all; ``states_to_add``); None when they fit (or
-    none are left)."""
+    and the newest ``keep`` states and the best one stay (0: all; ``states_to_add``); None
+    when they fit (or none are left)."""
     more = states_to_add(epochs_left, keep, kept_now)
     need = state_bytes * more
     if more == 0 or free_bytes >= need:
@@ -251,6 +252,8 @@ def recover_state_dir(state_dir: Path) -> None:
     """Undo what a kill during a checkpoint save left: a half-written staging folder, or an
     epoch folder moved aside (``<epoch>.old``) whose replacement never arrived."""
     shutil.rmtree(state_dir / STAGING, ignore_errors=True)
+    for going in state_dir.glob(PRUNING + "*"):  # an older state whose removal was cut short
+        shutil.rmtree(going, ignore_errors=True)
     for old in state_dir.glob("*.old"):
         final = old.with_name(old.name.removesuffix(".old"))
         if final.exists():
@@ -498,7 +501,9 @@ def train(
             file=sys.stderr,
             flush=True,
         )
-    barrier()
+    if rank == 0:  # an earlier best left by the last save (validation comes after a save)
+        prune_states(state_dir, cfg.keep_states)
+    barrier()  # the other ranks read the state folder after it (last_epoch_dir)
     agree = None if cfg.fsdp else ranks_agree(trainer.model)
     if agree is False and rank == 0:
         print(
@@ -508,8 +513,6 @@ def train(
             file=sys.stderr,
             flush=True,
         )
-    if rank == 0:  # an earlier best left by the last save (validation comes after a save)
-        prune_states(state_dir, cfg.keep_states)
     final = last_epoch_dir(state_dir)
     if final is None:
         raise UserError(f"training finished without a checkpoint in {state_dir}")
@@ -615,7 +618,19 @@ def prune_states(state_dir: Path, keep: int) -> list[Path]:
     best_name = Path(os.readlink(best)).name if best.is_symlink() else None
     old = [d for d in (epoch_dirs(state_dir)[:-keep] if keep else []) if d.name != best_name]
     for folder in old:
-        shutil.rmtree(folder)
+        # out of the epochs' names first: a kill mid-removal leaves a folder that no resume
+        # reads and recover_state_dir removes (a half-removed epoch folder would stay)
+        going = folder.with_name(PRUNING + folder.name)
+        try:
+            os.rename(folder, going)
+            shutil.rmtree(going)
+        except OSError as exc:  # housekeeping: the state saved stays usable
+            print(
+                f"train: warning: could not remove the older state {folder} ({exc}); remove it "
+                "by hand to free its space",
+                file=sys.stderr,
+                flush=True,
+            )
     return old
 
 

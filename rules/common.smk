@@ -331,16 +331,15 @@ def extract_section():
 def train_section():
     """The train section as its rule's parameter: GPU, node and loader-thread counts are
     resources (like the GPUs of one node, the nodes set how many processes share the work);
-    newton_schulz only when not gram, graph_step only when not auto and keep_states only when
-    not 1, their defaults (runs made before the keys stay current).
+    so is keep_states (how many epochs' states stay on the disk: nothing trained changes);
+    newton_schulz only when not gram and graph_step only when not auto, their defaults (runs
+    made before the keys stay current).
     """
     train = config["train"]
     gram = ("newton_schulz",) if train["newton_schulz"] == "gram" else ()
     auto = ("graph_step",) if train["graph_step"] == "auto" else ()
-    one = ("keep_states",) if train["keep_states"] == 1 else ()
-    return section(
-        "train", drop=("gpus", "nodes", "loader_threads", *gram, *auto, *one)
-    )
+    resource = ("gpus", "nodes", "loader_threads", "keep_states")
+    return section("train", drop=(*resource, *gram, *auto))
 
 
 def train_resources():
@@ -352,12 +351,15 @@ def train_resources():
     its own srun step (its `tasks`; with `tasks_per_gpu` 0 the plugin does not turn them into
     --ntasks-per-gpu). `node_gpus` (train.gpus) is the GPUs of each node for the command line;
     no plugin reads it. The command line is the same for any train.nodes: a changed count
-    reruns nothing (Snakemake reruns a job whose command text changed)."""
+    reruns nothing (Snakemake reruns a job whose command text changed). `keep_states`
+    (train.keep_states) reaches the command line the same way: it sets what the job leaves
+    on the disk, not what it trains, so a changed value reruns nothing either."""
     train = config["train"]
     resources = {
         "nodes": train["nodes"],
         "node_gpus": train["gpus"],
         "loader_threads": train["loader_threads"],
+        "keep_states": train["keep_states"],
     }
     if train["nodes"] == 1:
         return {**resources, "gpu": train["gpus"]}

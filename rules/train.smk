@@ -39,6 +39,7 @@ rule train:
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
         " --nodes {resources.nodes} --node-gpus {resources.node_gpus}"
         " --threads {threads} --loader-threads {resources.loader_threads}"
+        " --keep-states {resources.keep_states}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"
         " --provenance {output.provenance} --stamp {params.stamp:q}"

@@ -6,6 +6,7 @@ that meets the other nodes in a c10d rendezvous (eagle3lib/multinode.py).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ def parse():
     p.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--loader-threads", type=int, default=None, help="train.loader_threads")
+    p.add_argument("--keep-states", type=int, default=None, help="train.keep_states")
     p.add_argument("--out-config", type=Path, required=True)
     p.add_argument("--out-weights", type=Path, required=True)
     p.add_argument("--out-card", type=Path, required=True)
@@ -72,6 +74,8 @@ def main() -> None:
         torch.set_num_threads(max(1, a.threads // max(processes, 1)))
     cfg = from_json(TrainConfig, a.train)
     cfg = train.with_loader_threads(cfg, a.loader_threads, a.threads, processes)
+    if a.keep_states is not None:
+        cfg = dataclasses.replace(cfg, keep_states=a.keep_states)
     record = read_record(a.verifier)
     metrics = a.state_dir / "metrics.jsonl"
     with distributed.torn_down():

@@ -266,20 +266,19 @@ def test_graph_step_auto_reruns_nothing_and_true_or_false_rerun_train_only(ws):
     assert "Nothing to be done" in ws.run("-n")
 
 
-def test_keep_states_1_reruns_nothing_and_0_reruns_train_only(ws):
-    """train.keep_states: 1, its default, leaves the train rule's parameters as runs before the
-    key made them; 0 (every epoch's state kept) reruns the train job (which resumes from its
-    newest state), never the extraction. Dry runs: the results stay as they were."""
+def test_keep_states_reruns_nothing_and_reaches_the_train_command(ws):
+    """train.keep_states sets how many epochs' states the train job leaves on the disk, not
+    what it trains: any value reruns nothing (a resource, like loader_threads), and a forced
+    train job's command carries it. Dry runs: the results stay as they were."""
     stamp = ws.results / "checkpoint" / "provenance-train.json"
     assert "keep_states" not in stamp.read_text()
-    ws.write(train={"keep_states": 1})
-    one = ws.run("-n")
     ws.write(train={"keep_states": 0})
     every = ws.run("-n")
+    forced = ws.run("-n", "-p", "--forcerun", "train")
     ws.write(train={"keep_states": 1})
-    assert "Nothing to be done" in one and job_counts(one) == {}, one
-    assert "train" in job_counts(every) and "extract" not in job_counts(every), every
-    assert "Nothing to be done" in ws.run("-n")
+    assert "Nothing to be done" in every and job_counts(every) == {}, every
+    assert " --keep-states 0 " in forced, forced
+    assert " --keep-states 1 " in ws.run("-n", "-p", "--forcerun", "train")
 
 
 def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
