@@ -30,7 +30,6 @@ Prints a table and ``key = value`` lines (resume.<device>.*); writes bench_resum
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -53,6 +52,7 @@ import train as bench_train  # noqa: E402
 from extract import device_tag  # noqa: E402
 
 from eagle3lib.config import TrainConfig  # noqa: E402
+from eagle3lib.fileio import sha256_file  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -81,16 +81,10 @@ def stopping_trainer(at: int | None, signum: int):
     return Stopping
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def folder_digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def weights_difference(a: Path, b: Path) -> float:
