@@ -9,7 +9,9 @@ CORES ?= all
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for make test; each takes whole test files (--dist loadfile), so a
-# file's module fixtures (a built workspace) are built once
+# file's module fixtures (a built workspace) are built once. --no-loadscope-reorder keeps
+# tests/conftest.py's order (the longest files first): xdist would otherwise hand out the
+# files with the most tests first, and files of a few long workflow runs came last.
 TEST_WORKERS ?= 2
 # e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for torch's CPU build on a machine
 # without a GPU (PyPI's torch wheel for Linux is the CUDA build).
@@ -60,10 +62,10 @@ demo: envs
 
 # --durations: the slowest tests and their times, after the results
 test: envs
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=20 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/snakemake --lint

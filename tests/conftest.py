@@ -27,18 +27,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 # Files of whole-workflow runs (minutes each) go first, so that with several pytest-xdist
-# workers (make test: --dist loadfile) the longest files do not start last.
-# (by the files' measured totals, largest first: 368, 344, 285, 256, 195, 191, 87, 58, 50 s
-# in a fresh clone's `make test` on the 2-core AMD EPYC, 2026-12-06)
+# workers the longest files do not start last. `make test` passes --no-loadscope-reorder with
+# --dist loadfile; without it xdist hands out the files with the most tests first, and this
+# order only breaks ties. By the files' measured totals, largest first: 339, 323, 269, 268,
+# 197, 163, 98, 59, 44, 40, 38, 35 s (`make test` with xdist's reorder on the 2-core AMD EPYC,
+# family 25, 2026-12-06: 18 min 58 s). Handing those out in xdist's order to whichever of two
+# workers is free gives them about 1,105 and 914 s; in this order about 1,010 each.
 LONGEST_FIRST = (
-    "test_bench_smoke.py",
     "test_faults.py",
+    "test_bench_smoke.py",
     "test_workflow.py",
     "test_vllm.py",
     "test_multinode.py",
     "test_presets.py",
     "test_train.py",
     "test_regenerate.py",
+    "test_gpu.py",
+    "test_security.py",
+    "test_edge_cases.py",
     "test_errors.py",
 )
 

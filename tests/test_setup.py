@@ -111,26 +111,54 @@ def test_docs_document_every_summary_field():
     assert not missing, missing
 
 
+def run_make_test_recipe(folder: Path, workers: str) -> subprocess.CompletedProcess:
+    """pytest on `folder` with the options of the Makefile's `test` recipe and pyproject's
+    settings, `workers` xdist workers."""
+    recipe = re.search(r"^test: .*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    recipe = recipe.replace("$(PYTEST_ARGS)", "").replace("$(TEST_WORKERS)", workers)
+    args = recipe.split("-m pytest", 1)[1].split()
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"]
+        + ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(folder), "."],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
+
+
 def test_make_test_ends_with_the_skipped_checks_and_why(tmp_path):
     """`make test` runs pytest as its recipe says, with pyproject's addopts (-ra): a skipped
     check is listed, with its reason, in the summary that ends the run (after --durations)."""
-    recipe = re.search(r"^test: .*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
-    recipe = recipe.replace("$(PYTEST_ARGS)", "").replace("$(TEST_WORKERS)", "2")
-    args = recipe.split("-m pytest", 1)[1].split()
     (tmp_path / "test_skips.py").write_text(
         "import pytest\n\n\ndef test_needs_a_browser():\n"
         "    pytest.skip('chromium is not installed: checked, not rendered')\n\n\n"
         "def test_runs():\n    pass\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"]
-        + ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "test_skips.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    proc = run_make_test_recipe(tmp_path, "2")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     skipped = out.index("SKIPPED [1] test_skips.py:5: chromium is not installed: checked")
     assert out.index("slowest") < out.index("short test summary info") < skipped
     assert re.fullmatch(r"=+ 1 passed, 1 skipped in .*", out.rstrip().splitlines()[-1])
+
+
+def test_make_test_hands_out_files_in_conftests_order(tmp_path):
+    """With the recipe's options xdist hands out whole files in the collection order that
+    tests/conftest.py sets (its longest files first), not by how many tests a file has."""
+    import conftest
+
+    assert all((ROOT / "tests" / name).is_file() for name in conftest.LONGEST_FIRST)
+    log = tmp_path / "order.txt"
+    record = f"def record(name):\n    open({str(log)!r}, 'a').write(name + '\\n')\n"
+    (tmp_path / "conftest.py").write_text(
+        "def pytest_collection_modifyitems(items):\n"
+        "    items.sort(key=lambda item: item.path.name != 'test_long.py')\n"
+    )
+    (tmp_path / "test_long.py").write_text(
+        record + "\n\ndef test_one_long_run():\n    record('long')\n"
+    )
+    many = "".join(f"\n\ndef test_{i}():\n    record('many')\n" for i in range(3))
+    (tmp_path / "test_many.py").write_text(record + many)
+    proc = run_make_test_recipe(tmp_path, "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert log.read_text().split() == ["long", "many", "many", "many"]
