@@ -185,7 +185,8 @@ PER_BATCH = ("error_records",)
 def copy_into(static: dict[str, Any], batch: dict[str, Any]) -> None:
     """``batch``'s tensors copied into ``static``'s (the graph's inputs), in order on the
     current stream; a key, shape or dtype that differs, or another non-tensor value (but
-    ``PER_BATCH``'s), is refused with the key named (the graph replays what it captured)."""
+    ``PER_BATCH``'s), is refused with the key named (the graph replays what it captured),
+    before anything is copied."""
     if static.keys() != batch.keys():
         raise UserError(
             f"graphed step: a batch with keys {sorted(batch)} after capturing {sorted(static)}"
@@ -203,9 +204,11 @@ def copy_into(static: dict[str, Any], batch: dict[str, Any]) -> None:
                     f"{(held.shape, held.dtype)}; it needs batches of one shape "
                     "(train.packing: ffd pads each to total_seq_len)"
                 )
-            held.copy_(value, non_blocking=True)
         elif value != held and key not in PER_BATCH:
             raise UserError(f"graphed step: batch[{key!r}] changed from {held!r} to {value!r}")
+    for key, value in batch.items():
+        if isinstance(static[key], torch.Tensor):
+            static[key].copy_(value, non_blocking=True)
 
 
 def detached(outputs: tuple[torch.Tensor, dict]) -> tuple[torch.Tensor, dict]:

@@ -432,10 +432,14 @@ def batched_muon(params, grads, bufs, *, lr: float | Tensor, weight_decay: float
                     ]
             result = _unit_result(updates, kind, ns_coefficients, ns_steps, eps)
             del updates
+            if kind != "torch" and not nesterov:  # these orthogonalised a copy of each buffer
+                for i in indices:
+                    _normalised_as_torch_does(bufs[i], eps)
         else:
             result = _empty_result(unit_params, kind)
-            if kind == "torch" and not nesterov:
-                _normalised_as_torch_does(bufs[indices[0]], eps)
+            if not nesterov:
+                for i in indices:
+                    _normalised_as_torch_does(bufs[i], eps)
         if owners[u] is not None:
             import torch.distributed as dist
 
@@ -455,8 +459,9 @@ def _normalised_as_torch_does(buf: Tensor, eps: float) -> None:
     """What torch's ``_zeropower_via_newtonschulz`` does to its input besides orthogonalising
     it: a bf16 input (``bfloat16()`` returns it as it is) is divided by its norm in place.
     Without nesterov the input is the momentum buffer itself, so with bf16 parameters torch's
-    Muon leaves it so divided; a rank that does not orthogonalise the buffer does the same,
-    so that every rank keeps the buffer the unsplit step leaves."""
+    Muon leaves it so divided; a step that orthogonalises a copy of the buffer (stacked, or
+    by Gram Newton-Schulz), and a rank that does not orthogonalise it, does the same, so that
+    every path and rank keeps the buffer torch's step leaves."""
     if buf.dtype == torch.bfloat16:
         x = buf.T if buf.size(0) > buf.size(1) else buf
         x.div_(x.norm().clamp(min=eps))

@@ -364,3 +364,128 @@ def test_a_graphed_runs_optimisers_are_capturable_from_its_first_eager_step(monk
     weight.grad = torch.ones(2)
     step.prepare()
     assert weight.grad is None and len(made) == 1
+
+
+def test_copy_into_refuses_a_later_key_before_copying_an_earlier_one():
+    static = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "ttt_steps": 3}
+    with pytest.raises(UserError, match="changed from 3"):
+        copy_into(static, {"input_ids": torch.ones(1, 4, dtype=torch.long), "ttt_steps": 2})
+    assert static["input_ids"].sum() == 0
+
+
+def test_capturable_optimizers_put_rates_and_step_counts_on_the_capture_device():
+    """On the GPU (meta stands in) the rate and a foreach AdamW's step counts move there; left
+    on the CPU, the captured step would not read them (a rate number is baked in)."""
+    from eagle3lib.muon import BatchedMuon
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    adamw = torch.optim.AdamW([weight], lr=0.5, foreach=True)
+    weight.grad = torch.ones(2)
+    adamw.step()
+    muon = BatchedMuon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.02)
+    capturable_optimizers([adamw, muon], torch.device("meta"))
+    assert adamw.state[weight]["step"].device.type == "meta"
+    for opt in (adamw, muon):
+        assert opt.param_groups[0]["lr"].device.type == "meta"
+
+
+def test_plain_rates_leave_fused_adamws_step_counts_on_the_device():
+    """Fused AdamW reads its step counts on the device, captured or not: an eager resume
+    leaves them there (meta stands in for the GPU) and turns only the rate into a number."""
+    from eagle3lib.graphed_step import plain_rates
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([weight], lr=0.5, fused=True, capturable=True)
+    opt.param_groups[0]["lr"] = torch.tensor(0.5)
+    opt.state[weight]["step"] = torch.tensor(3.0, device="meta")
+    plain_rates([opt])
+    assert opt.state[weight]["step"].device.type == "meta"
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[0]["capturable"] is False
+
+
+class GraphRecorder:
+    """torch.cuda.CUDAGraph and torch.cuda.graph stood in for on a CPU: the capture and each
+    replay recorded with the captured inputs' values at that time (a replay reruns nothing)."""
+
+    def __init__(self, monkeypatch, fail_at_exit: bool = False):
+        import contextlib
+
+        from eagle3lib.graphed_step import GraphedStep
+
+        self.events, self.step = [], None
+        recorder = self
+
+        class Graph:
+            def replay(self):
+                recorder.events.append(("replay", recorder.step.static["x"].tolist()))
+
+        @contextlib.contextmanager
+        def graph(_graph, stream=None, capture_error_mode=None):
+            self.events.append(("capture", capture_error_mode))
+            try:
+                yield
+            except Exception:
+                if fail_at_exit:  # as ending a capture broken by the step fails in torch
+                    raise RuntimeError("operation not permitted when stream is capturing") from None
+                raise
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(GraphedStep, "_on_side_stream", lambda _self, run, _batch: run())
+
+
+def test_a_graphed_step_runs_eagerly_then_captures_once_and_replays_each_batch(monkeypatch):
+    """GraphedStep's order of work (the capture itself needs a GPU): ``eager_steps`` eager
+    calls on their own batches, outputs detached; then ``prepare`` and one capture on a copy
+    of the next batch, replayed at once; every later batch copied into the captured inputs
+    and replayed, the graph's same output tensors returned each time."""
+    from eagle3lib.graphed_step import GraphedStep
+
+    recorder = GraphRecorder(monkeypatch)
+    weight = torch.nn.Parameter(torch.ones(1))
+
+    def step(batch, autocast_cache):
+        recorder.events.append(("step", batch["x"].tolist(), autocast_cache))
+        loss = (weight * batch["x"]).sum()
+        return loss, {"loss": loss}
+
+    graphed = GraphedStep(step, lambda: recorder.events.append(("prepare",)), eager_steps=2)
+    recorder.step = graphed
+    outputs = [graphed({"x": torch.tensor([float(k)])}) for k in range(1, 6)]
+    assert recorder.events == [
+        ("step", [1.0], False),
+        ("step", [2.0], False),
+        ("prepare",),
+        ("capture", "thread_local"),
+        ("step", [3.0], False),
+        ("replay", [3.0]),
+        ("replay", [4.0]),
+        ("replay", [5.0]),
+    ]
+    assert all(loss.grad_fn is None for loss, _ in outputs[:2])
+    assert outputs[2] is outputs[3] is outputs[4] is graphed.outputs
+
+
+@pytest.mark.parametrize("fail_at_exit", [True, False], ids=["capture_end_fails", "plain"])
+def test_a_step_that_fails_in_the_capture_is_named_not_hidden(monkeypatch, fail_at_exit):
+    """A step that raises inside the capture: where ending the capture fails too (torch's
+    error would say only that), the step's own error is named; otherwise it propagates."""
+    from eagle3lib.graphed_step import GraphedStep
+
+    GraphRecorder(monkeypatch, fail_at_exit=fail_at_exit)
+
+    def step(batch, _autocast_cache):
+        if batch is graphed.static:  # the capture's copy of its batch
+            raise ValueError("a shape the graph cannot hold")
+        return batch["x"].sum(), {}
+
+    graphed = GraphedStep(step, lambda: None, eager_steps=1)
+    graphed({"x": torch.ones(1)})
+    error, message = (
+        (RuntimeError, "the capture failed: ValueError: a shape")
+        if fail_at_exit
+        else (ValueError, "^a shape the graph cannot hold$")
+    )
+    with pytest.raises(error, match=message):
+        graphed({"x": torch.ones(1)})
+    assert graphed.graph is None

@@ -509,6 +509,17 @@ def test_gram_muon_takes_fp64_parameters_and_survives_a_copy():
 
 GRAM_ONE_AT_A_TIME = functools.partial(BatchedMuon, newton_schulz="gram", batched=False)
 
+ALL_SETTINGS = pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"newton_schulz": "gram"},
+        {"batched": False},
+        {"newton_schulz": "gram", "batched": False},
+    ],
+    ids=["stacked", "gram", "one_at_a_time", "gram_one_at_a_time"],
+)
+
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 def test_one_at_a_time_muon_equals_torchs_for_matrices_without_a_gram_form(nesterov):
@@ -718,16 +729,7 @@ def test_gram_update_added_in_fp16_equals_adding_it_unpacked(nesterov, adjust_lr
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
-@pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        {"newton_schulz": "gram"},
-        {"batched": False},
-        {"newton_schulz": "gram", "batched": False},
-    ],
-    ids=["stacked", "gram", "one_at_a_time", "gram_one_at_a_time"],
-)
+@ALL_SETTINGS
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"], ids=str)
 def test_a_rate_tensor_on_the_device_gives_the_numbers_update(monkeypatch, settings, adjust_lr_fn):
     """A captured step's learning rate (graphed_step.capturable_optimizers: a float32 tensor
@@ -766,3 +768,108 @@ def test_a_rate_tensor_on_the_device_gives_the_numbers_update(monkeypatch, setti
     numbers = updates(False)
     assert worst(updates(True), numbers) < 1e-6
     assert worst(updates(True, scale=1.01), numbers) > 1e-3
+
+
+@ALL_SETTINGS
+def test_a_matrix_without_gradient_signal_stays_finite_as_in_torchs_muon(settings):
+    """A gradient of zeros (a layer that got no signal) orthogonalises to zeros, as torch's
+    Muon (its norm held above eps) does: only weight decay moves the weights, to torch's
+    bits, on every path; the Gram form's wide matrix among them."""
+
+    def stepped(cls, **kwargs):
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES + [(64, 256)]]
+        opt = cls(params, lr=0.02, weight_decay=0.1, **kwargs)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.zeros(p.shape)
+            opt.step()
+        return params
+
+    for ours, theirs in zip(
+        stepped(BatchedMuon, **settings), stepped(torch.optim.Muon), strict=True
+    ):
+        assert torch.isfinite(ours).all() and torch.equal(ours, theirs)
+
+
+@ALL_SETTINGS
+def test_bf16_momentum_buffers_without_nesterov_stay_torchs(settings):
+    """torch's Newton-Schulz divides a bf16 input by its norm in place, and without nesterov
+    that input is the momentum buffer: every path leaves each buffer as torch's Muon does,
+    to the bit, over 3 steps (the stacked and Gram paths orthogonalise copies and divide the
+    buffers after)."""
+
+    def buffers(cls, **kwargs):
+        gen = torch.Generator().manual_seed(5)
+        shapes = SHAPES + [(64, 256)]
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
+        opt = cls(params, lr=0.02, nesterov=False, **kwargs)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        return [opt.state[p]["momentum_buffer"] for p in params]
+
+    ours, theirs = buffers(BatchedMuon, **settings), buffers(torch.optim.Muon)
+    for shape, mine, torchs in zip(SHAPES + [(64, 256)], ours, theirs, strict=True):
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, torchs), shape
+
+
+def test_a_rate_on_the_device_stays_a_tensor_and_one_on_the_cpu_becomes_a_number():
+    """A captured step's rate (a tensor on the GPU: meta stands in) is applied as it is; a
+    number read there would be baked into the graph, and the schedule ignored."""
+    on_device = torch.tensor(0.1, device="meta")
+    assert muon._rate(on_device) is on_device
+    assert type(muon._rate(torch.tensor(0.5))) is float and muon._rate(torch.tensor(0.5)) == 0.5
+    assert muon._rate(0.25) == 0.25
+
+
+def test_the_ranks_check_repeats_until_a_step_had_gradients():
+    """BatchedMuon checks that DDP's ranks hold the same matrices at its first step with any
+    gradient, not at a first step without (it would find nothing to compare)."""
+
+    class Ranks:
+        checked: list = []
+
+        def check_same_matrices(self, shapes):
+            self.checked.append(shapes)
+
+    ranks = Ranks()
+    opt = BatchedMuon([torch.nn.Parameter(torch.ones(4, 8))], lr=0.02, ranks=ranks)
+    opt.step()
+    opt.step()
+    assert ranks.checked == [[[]], [[]]]
+
+
+def test_a_units_flops_count_every_matrix_of_it():
+    """Units go to ranks by their FLOPs: a stack of two 16 x 48 matrices (a tall 48 x 16 one
+    oriented so) costs twice one, a Gram unit its own count."""
+    like = [torch.empty(s) for s in SHAPES]
+    one = muon.newton_schulz_flops(16, 48, 5, False)
+    assert muon._unit_flops(like, ([0, 1, 2], "stacked"), 5) == 3 * one
+    assert muon._unit_flops(like, ([7], "gram"), 5) == muon.newton_schulz_flops(16, 32, 5, True)
+
+
+def test_gram_newton_schulz_restarts_before_its_third_step_then_every_third():
+    """Its authors restart five steps once, before the third; longer runs restart every
+    GRAM_SPAN steps after that, so Q never spans more than 3 steps (eigenvalues up to 40.9)."""
+    assert muon._restarts(5) == {2}
+    assert muon._restarts(8) == {2, 5}
+    assert muon._restarts(12) == {2, 5, 8, 11}
+    assert muon._restarts(2) == set()
+
+
+def test_gram_scale_lifts_small_entries_into_fp16s_normal_range_without_overflow():
+    """With a few columns 10^4 times the rest, a normalised matrix's other entries fall below
+    fp16's normal range (6.1e-5): nearly all of them unscaled, under a fifth times
+    GRAM_SCALE; the Gram matrix's eigenvalues (below 1.45) times its square stay below 2.4e4."""
+    g = outlier_columns(1e4)
+    norm = torch.linalg.vector_norm(g)
+
+    def subnormal_share(scale: float) -> float:
+        bulk = muon._scaled_half(g[None], scale / norm)[0, :, 4:].float().abs()
+        return (bulk < 6.1e-5).float().mean().item()
+
+    assert subnormal_share(1.0) > 0.9
+    assert subnormal_share(muon.GRAM_SCALE) < 0.2
+    assert 1.45 * muon.GRAM_SCALE**2 < 2.4e4
