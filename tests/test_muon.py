@@ -509,6 +509,8 @@ def test_gram_muon_takes_fp64_parameters_and_survives_a_copy():
 
 GRAM_ONE_AT_A_TIME = functools.partial(BatchedMuon, newton_schulz="gram", batched=False)
 
+# BatchedMuon's four paths: matrices of one shape stacked or one at a time, each with torch's
+# iteration or Gram Newton-Schulz where it pays
 ALL_SETTINGS = pytest.mark.parametrize(
     "settings",
     [
