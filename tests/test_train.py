@@ -141,6 +141,9 @@ def test_a_starved_training_thread_is_reported():
     shares = streaming_trainer.thread_shares((1_000, 0), (500_001_000, 200_000_000), 1.0)
     assert shares == {"cpu_fraction": 0.5, "runqueue_wait_fraction": 0.2}
     assert streaming_trainer.thread_shares(None, (1, 1), 1.0) is None
+    assert streaming_trainer.thread_shares((1, 1), (2, 2), 0.0) is None  # no time between
+    fine = streaming_trainer.thread_shares((0, 0), (123_456, 12_345), 1e-3)
+    assert fine == {"cpu_fraction": 0.123, "runqueue_wait_fraction": 0.0123}  # 3 and 4 places
     line = streaming_trainer.starved_line(shares, 1)
     assert line.startswith("train: rank 1's training thread waited for a CPU core 20% of the run")
     assert "run fewer jobs beside it, or give it cores of its own" in line
@@ -1143,3 +1146,124 @@ def test_the_disk_warning_names_the_sizes_only_when_the_epochs_to_come_do_not_fi
         f"but {tmp_path} has 8 GB free: free disk space before then, or the job stops at a "
         "full disk (a rerun resumes from the last state saved)"
     )
+
+
+def test_a_thread_the_kernel_has_not_accounted_yet_has_no_reading(monkeypatch):
+    """/proc/thread-self/schedstat reads zeros for a thread that only just started: no
+    reading, rather than a share of 0 % on a core."""
+
+    class Proc:
+        text = "0 0 0"
+
+        def __init__(self, _path):
+            pass
+
+        def read_text(self):
+            return Proc.text
+
+    monkeypatch.setattr(streaming_trainer, "Path", Proc)
+    assert streaming_trainer.thread_schedstat() is None
+    Proc.text = "5 7 1"
+    assert streaming_trainer.thread_schedstat() == (5, 7)
+
+
+class FinishedWork:
+    def wait(self):
+        pass
+
+
+def test_the_stop_vote_is_due_every_ten_steps_without_a_logging_step(monkeypatch):
+    """Between DDP's logging steps (whose metrics' all-reduce carries a stop) the ranks vote
+    after every STOP_VOTE_STEPS steps; a logging step or a vote starts the count again; a
+    vote counts once, read after the next step (all_reduce stood in for: one process)."""
+    import torch.distributed as dist
+
+    reduced = []
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda flag, async_op: reduced.append(flag) or FinishedWork()
+    )
+    vote = streaming_trainer.StopVote()
+    assert [vote.due(False) for _ in range(10)] == [False] * 9 + [True]
+    assert vote.due(True) is False  # a logging step agreed
+    assert [vote.due(False) for _ in range(10)][-1] is True
+    assert vote.counted() is False  # none cast
+    vote.cast(True, "cpu")
+    assert vote.due(False) is False  # the count started again
+    assert vote.counted() is True and vote.counted() is False
+    vote.cast(False, "cpu")
+    assert vote.counted() is False
+    assert [f.item() for f in reduced] == [1.0, 0.0]
+
+
+def one_thread_trainer():
+    return streaming_trainer.StreamingTrainer.__new__(streaming_trainer.StreamingTrainer)
+
+
+def test_one_loader_thread_keeps_the_order_and_reraises_the_loaders_error():
+    """train.loader_threads: 0 (or DataLoader workers): one background thread iterates the
+    loader; its batches come in order, and an error it meets is raised in the training thread
+    after the batches before it."""
+
+    def failing():
+        yield from ({"k": k} for k in range(2))
+        raise ValueError("a damaged shard")
+
+    trainer = one_thread_trainer()
+    assert [b["k"] for b, _ in trainer._one_thread([{"k": k} for k in range(7)], 2)] == list(
+        range(7)
+    )
+    got = []
+    with pytest.raises(ValueError, match="a damaged shard"):
+        for batch, _release in trainer._one_thread(failing(), 2):
+            got.append(batch["k"])
+    assert got == [0, 1]
+
+
+def test_an_epoch_ended_early_stops_the_loader_thread():
+    """Closing the batches (an epoch cut short by max_steps or a stop) ends the loader thread
+    at once, without reading the loader to its end."""
+    import threading
+
+    read = []
+
+    def endless():
+        k = 0
+        while True:
+            read.append(k)
+            yield {"k": k}
+            k += 1
+
+    batches = one_thread_trainer()._one_thread(endless(), 2)
+    assert next(batches)[0]["k"] == 0
+    batches.close()
+    assert not [t for t in threading.enumerate() if t.name == "batch-prefetch"]
+    assert len(read) <= 5  # the first batch, the queue's 2 and the ones blocked on putting
+
+
+def test_the_wait_for_each_batch_is_counted_as_data_wait():
+    """The training thread's time blocked on its next batch adds up over the epoch."""
+
+    class SlowLoader:
+        num_workers = 0
+
+        def __iter__(self):
+            for k in range(4):
+                time.sleep(0.05)
+                yield {"k": k}
+
+    trainer = one_thread_trainer()
+    trainer.loader_threads = 0
+    assert [b["k"] for b, _ in trainer._prefetched(SlowLoader(), depth=1)] == [0, 1, 2, 3]
+    assert trainer.data_wait_seconds >= 4 * 0.05 * 0.9
+
+
+def test_metrics_are_logged_every_log_every_steps_with_the_rate_as_a_number(pipeline, tmp_path):
+    """train.log_every: 3 logs global steps 0, 3, 6, ... (speculators' cadence), AdamW's rate
+    as a number; each record's tokens a second and data wait from its own interval."""
+    train_pipeline(pipeline, tmp_path / "s", epochs=1, log_every=3)
+    records = [r for r in train.read_metrics(tmp_path / "s" / "m.jsonl") if "train" in r]
+    steps = json.loads((tmp_path / "s" / "0" / "training_state.json").read_text())
+    assert [r["global_step"] for r in records] == list(range(0, steps["global_step"], 3))
+    assert len(records) >= 3
+    assert all(type(r["lr"]) is float for r in records)
+    assert all(r["profile"]["tokens_per_s"] > 0 for r in records)
