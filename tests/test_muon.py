@@ -831,7 +831,8 @@ def test_the_ranks_check_repeats_until_a_step_had_gradients():
     gradient, not at a first step without (it would find nothing to compare)."""
 
     class Ranks:
-        checked: list = []
+        def __init__(self):
+            self.checked = []
 
         def check_same_matrices(self, shapes):
             self.checked.append(shapes)

@@ -1259,7 +1259,7 @@ def test_the_wait_for_each_batch_is_counted_as_data_wait():
 
 def test_metrics_are_logged_every_log_every_steps_with_the_rate_as_a_number(pipeline, tmp_path):
     """train.log_every: 3 logs global steps 0, 3, 6, ... (speculators' cadence), AdamW's rate
-    as a number; each record's tokens a second and data wait from its own interval."""
+    as a number, and a pace in tokens a second in each record."""
     train_pipeline(pipeline, tmp_path / "s", epochs=1, log_every=3)
     records = [r for r in train.read_metrics(tmp_path / "s" / "m.jsonl") if "train" in r]
     steps = json.loads((tmp_path / "s" / "0" / "training_state.json").read_text())
