@@ -259,8 +259,8 @@ STOP_VOTE_STEPS = 10
 class StopVote:
     """A stop vote of DDP's ranks without a host sync of its own: ``cast`` starts the flags'
     all-reduce after a step, ``counted`` reads it after the next one, when the GPU has
-    finished the first (so the wait does not empty its queue). Every rank counts, casts and
-    reads at the same steps."""
+    finished the first (so the wait does not empty its queue), or when the epoch has no next
+    step. Every rank counts, casts and reads at the same steps."""
 
     def __init__(self) -> None:
         self.pending = None
@@ -356,7 +356,7 @@ class StreamingTrainer(Trainer):
         sync_free = ("sync_free_eagle3",) if self.sync_free else ()
         with speculators_patches(*sync_free), stop_requests() as self.stop_request:
             Trainer.run_training.__wrapped__(self)
-            if self.stop_vote is not None:  # a vote cast after the last step: finished
+            if self.stop_vote is not None:  # a vote cast after max_steps' step: finished
                 self.stop_vote.counted()
             if self.stop_request.signum is not None and self.rank == 0:  # exits as asked
                 print(
@@ -604,6 +604,7 @@ class StreamingTrainer(Trainer):
         in_flight = self._in_flight
         interval_gpu_wait = in_flight.wait_seconds
 
+        local_step = skip_steps
         for local_step_rel, (batch, gpu_batch) in enumerate(self._device_batches(loader), 1):
             local_step = local_step_rel + skip_steps
             gpu_batch.pop(RECOVERY_METADATA_KEY, None)  # a rank's empty batch carries it
@@ -677,6 +678,10 @@ class StreamingTrainer(Trainer):
                 and num_steps - local_step >= step_interval * st.MIN_STEP_PCT
             ):
                 self.maybe_save_checkpoint(epoch, local_step=local_step)
+        else:  # the epoch's last step done: a vote cast after it is read now, not after the
+            # next epoch's first step (which would wait through a validation and a save)
+            if self.is_distributed and self.stop_vote.counted():
+                self.stop_here(epoch, local_step)
 
 
 # ---- model and trainer -----------------------------------------------------------------------

@@ -962,6 +962,11 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
 
     stats = train_pipeline(pipeline, state, epochs=2)
     assert stats["resumed"] is True
+    if at is not None:  # the rerun's progress counts the steps run before it
+        epoch = 1 if at < first_epoch else 2
+        assert f"train: step {at + 1}/{total} (epoch {epoch}/2), first step in" in (
+            capfd.readouterr().err
+        )
     steps = [m["global_step"] for m in train.read_metrics(state / "m.jsonl") if "train" in m]
     assert steps == list(range(total))  # no step lost or run twice
     final = Path(stats["final_epoch_dir"])
@@ -971,6 +976,42 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
     reference_curves = train.loss_curves(ref_metrics)
     assert curves["train_loss"] == reference_curves["train_loss"]
     assert curves["val"] == reference_curves["val"]
+
+
+def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
+    pipeline, tmp_path, capfd, monkeypatch
+):
+    """Under DDP a stop is voted on between logging steps and the vote read a step later; a
+    vote cast after an epoch's last step is read at the epoch's end, so the job stops there,
+    not after a validation, a save and the next epoch's first step. One rank in a gloo group
+    of one in this process (torchrun's variables set): DDP's code path, votes and all. No
+    logging step after step 0, and votes due every (steps an epoch - 1) steps: the first is
+    cast after the first epoch's last step, when the signal has come."""
+    import socket
+
+    from eagle3lib import distributed
+
+    metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
+    first_epoch = len([m for m in metrics if "train" in m and m["epoch"] == 0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(streaming_trainer, "STOP_VOTE_STEPS", first_epoch - 1)
+    stopping = type("Stopping", (SignalledAt,), {"at": first_epoch})
+    state = tmp_path / "state"
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stopped, distributed.torn_down():
+        train_pipeline(pipeline, state, trainer_class=stopping, epochs=2, log_every=1000)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    err = capfd.readouterr().err
+    assert f"train: stopped by SIGTERM after step {first_epoch} (epoch 1); the state" in err, err
+    saved = json.loads((state / "0" / "training_state.json").read_text())
+    assert saved == {"epoch": 0, "local_step": first_epoch, "global_step": first_epoch}
+    assert not [m for m in train.read_metrics(state / "m.jsonl") if "val" in m]
 
 
 def test_the_weights_checksum_tells_a_one_bit_change():
@@ -1084,7 +1125,9 @@ class WorseLater(streaming_trainer.StreamingTrainer):
         return {**(super().val_epoch(epoch) or {}), "loss_epoch": float(epoch)}
 
 
-def test_a_run_keeps_the_newest_state_and_the_best_after_each_save(pipeline, tmp_path, monkeypatch):
+def test_a_run_keeps_the_newest_state_and_the_best_after_each_save(
+    pipeline, tmp_path, monkeypatch, capfd
+):
     """Three epochs whose first validates best: train.keep_states 1 (the default) leaves, after
     each save, the newest state and the best (the one speculators' checkpoint_best links to);
     0 every epoch's. Stopped by SIGTERM in the second epoch and resumed, the keep-1 run reads
@@ -1122,8 +1165,11 @@ def test_a_run_keeps_the_newest_state_and_the_best_after_each_save(pipeline, tmp
     first_epoch = len([m for m in train.read_metrics(kept / "m.jsonl")
                        if "train" in m and m["epoch"] == 0])  # fmt: skip
     stopping = type("Stopping", (WorseLater, SignalledAt), {"at": first_epoch + 2})
+    capfd.readouterr()
     with pytest.raises(SystemExit):
         run("stopped", 1, stopping)
+    # the run's step, not the epoch's (2)
+    assert f"stopped by SIGTERM after step {first_epoch + 2} (epoch 2);" in capfd.readouterr().err
     stopped = tmp_path / "stopped"
     assert [p.name for p in train.epoch_dirs(stopped)] == ["0", "1"]
     _, stats, _ = run("stopped", 1)
