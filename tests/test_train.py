@@ -1014,6 +1014,26 @@ def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
     assert not [m for m in train.read_metrics(state / "m.jsonl") if "val" in m]
 
 
+class SavesRecorded(streaming_trainer.StreamingTrainer):
+    saves: list
+
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        self.saves.append((epoch, local_step))
+        return super().maybe_save_checkpoint(epoch, local_step=local_step)
+
+
+def test_mid_epoch_states_are_saved_at_speculators_cadence(pipeline, tmp_path):
+    """train.checkpoint_freq 0.25 of a 17-step epoch: as speculators' own loop, a state after
+    every round(17 x 0.25) = 4 steps while a quarter of that interval is left (steps 4, 8, 12
+    and 16), then the epoch's own save (local step 0: the epoch done)."""
+    saves = []
+    recorded = type("Recorded", (SavesRecorded,), {"saves": saves})
+    train_pipeline(pipeline, tmp_path / "state", recorded, epochs=1, checkpoint_freq=0.25)
+    metrics = train.read_metrics(tmp_path / "state" / "m.jsonl")
+    assert len([m for m in metrics if "train" in m]) == 17
+    assert saves == [(0, 4), (0, 8), (0, 12), (0, 16), (0, 0)]
+
+
 def test_the_weights_checksum_tells_a_one_bit_change():
     """A DDP train job ends by checking that its ranks hold the same weights
     (distributed.ranks_agree): equal weights give equal checksums, a one-bit change in a
