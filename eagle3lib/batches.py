@@ -75,10 +75,14 @@ class FirstFitDecreasingSampler(MultipackDistributedBatchSamplerV2):
     the parent class.
     """
 
-    def __init__(self, *args, window: int = 1024, shift: int = 1, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, batch_max_length, lengths, *args, window: int = 1024, shift: int = 1, **kwargs
+    ):
+        super().__init__(batch_max_length, lengths, *args, **kwargs)
         self.window = window
-        self.costs = np.clip(self.lengths - shift, 0, self.batch_max_length)
+        # from the lengths as given: the parent's are clipped to the batch, so a longer sample
+        # would cost one position less than it fills and leave room for a sample of one
+        self.costs = np.clip(np.asarray(lengths) - shift, 0, self.batch_max_length)
 
     def _generate_batches(self, epoch: int) -> list[np.ndarray]:
         if self._cached_generated_batches[0] == epoch:

@@ -190,3 +190,104 @@ def test_ffd_supports_speculators_resume_skip_and_max_batches():
     assert [b.tolist() for b in sampler] == full[3:]
     capped = batches.FirstFitDecreasingSampler(2048, lengths, 1, 0, seed=0, max_batches=4)
     assert len(capped) == 4
+
+
+def test_best_fit_decreasing_puts_each_sample_into_the_fullest_bin_that_holds_it():
+    """Longest first, each into the bin with the least room that still holds it (an exact fit
+    included), a new bin when none does; ties go to the earlier position and the older bin."""
+    # 7 -> bin 0 (room 3); 5 -> bin 1 (room 5); 3 fits bin 0 exactly (room 0); the second 3
+    # goes to bin 1 (room 2), and the 2 fills it exactly
+    assert batches.best_fit_decreasing(np.array([5, 3, 7, 2, 3]), 10) == [[2, 1], [0, 4, 3]]
+    # equal rooms: the older bin first; equal costs: the earlier position first
+    assert batches.best_fit_decreasing(np.array([4, 4, 2, 2]), 6) == [[0, 2], [1, 3]]
+    assert batches.best_fit_decreasing(np.array([3, 3, 3, 3]), 6) == [[0, 1], [2, 3]]
+
+
+def test_ffd_costs_each_sample_its_length_after_speculators_shift():
+    """Two 1025-token samples are 1024 positions each after shift_batch: they fill one
+    2048-position batch exactly; 1026 + 1025 tokens (2049 positions) take two batches."""
+    fit = batches.make_sampler("ffd", [1025, 1025], 2048, 1, 0, 0)._generate_batches(0)
+    assert [sorted(b.tolist()) for b in fit] == [[0, 1]]
+    over = batches.make_sampler("ffd", [1026, 1025], 2048, 1, 0, 0)._generate_batches(0)
+    assert sorted(b.tolist() for b in over) == [[0], [1]]
+
+
+def test_ffd_packs_speculators_shuffled_order_window_by_window():
+    """The epoch's samples in speculators' order (a permutation seeded with seed + epoch) are
+    packed ``window`` at a time: consecutive batches hold exactly the first 16 shuffled
+    samples, then the next 16, ...; every sample once, the last window partial (100 = 6 x 16
+    + 4)."""
+    lengths = bench_mix(100)
+    sampler = batches.FirstFitDecreasingSampler(2048, lengths, 1, 0, seed=3, window=16)
+    got = sampler._generate_batches(1)
+    order = np.random.default_rng(3 + 1).permutation(100)
+    assert sorted(np.concatenate(got).tolist()) == list(range(100))
+    rest = iter(got)
+    for start in range(0, 100, 16):
+        want, seen = set(order[start : start + 16].tolist()), set()
+        while len(seen) < len(want):
+            seen |= set(next(rest).tolist())
+        assert seen == want, start
+    assert next(rest, None) is None
+
+
+def test_ffd_batches_come_in_random_order_not_longest_first():
+    """Best-fit decreasing opens batches longest sample first; the batches are then put in a
+    random order, so an epoch does not start with the longest samples."""
+    lengths = bench_mix(300)
+    epoch = batches.make_sampler("ffd", lengths, 2048, 1, 0, seed=0)._generate_batches(0)
+    longest = [int(lengths[b].max()) for b in epoch]
+    assert len(epoch) > 100
+    assert longest != sorted(longest, reverse=True)
+
+
+def test_ffd_drops_every_lone_batch_left_over_by_the_ranks():
+    """5 samples that each fill a batch over 3 ranks: 2 batches are left over and cannot be
+    split, so both are dropped (as speculators drops < replicas samples): one step each."""
+    alone = np.full(5, 2049)
+    got = [batches.make_sampler("ffd", alone, 2048, 3, r, 0)._generate_batches(0) for r in range(3)]
+    assert [len(g) for g in got] == [1, 1, 1]
+    assert len(set(np.concatenate([b for g in got for b in g]).tolist())) == 3
+
+
+def test_make_sampler_refuses_an_unknown_packing():
+    with pytest.raises(ValueError, match="packing 'bfd': choose from ffd, multipack"):
+        batches.make_sampler("bfd", [10, 20], 2048, 1, 0, 0)
+
+
+def test_real_tokens_are_the_shifted_lengths_capped_at_the_batch():
+    """Per batch: each sample's length minus one (a 1-token sample adds none), the batch at most
+    total_seq_len (a sample longer than the batch is truncated)."""
+    lengths = np.array([10, 1, 3000, 20])
+    got = batches.real_tokens([np.array([0, 1, 3]), np.array([2]), np.array([3, 0])], lengths, 2048)
+    assert got == [9 + 0 + 19, 2048, 19 + 9]
+
+
+def test_pack_fill_counts_every_ranks_batches():
+    """A full batch (2049 tokens: 2048 after the shift) and a half one (1025) over 2 ranks:
+    3072 real tokens in 2 x 2048 positions, whichever rank gets which."""
+    assert batches.pack_fill("ffd", [2049, 1025], 2048, replicas=2) == 0.75
+    assert batches.pack_fill("multipack", [2049, 1025], 2048, replicas=2) == 0.75
+
+
+def test_no_shard_collator_for_another_hidden_size_or_layer_count(pipeline):
+    """CollateFn's hidden_size and num_target_layers must be the shards' (64, 3 aux slots);
+    otherwise speculators' collate is used (and reports the mismatch), not ShardCollator."""
+    from speculators.train.data import CollateFn
+
+    loader = loader_over(pipeline["shards"], torch.float32, "bf16", 256)
+    preprocess = loader.collate_fn.preprocess
+    same = CollateFn(256, 64, num_target_layers=3, dtype=torch.float32, preprocess=preprocess)
+    assert batches.shard_collator(loader.dataset, same, pin=False) is not None
+    for hidden, layers in ((32, 3), (64, 2)):
+        other = CollateFn(256, hidden, layers, dtype=torch.float32, preprocess=preprocess)
+        assert batches.shard_collator(loader.dataset, other, pin=False) is None, (hidden, layers)
+
+
+def test_ffd_never_truncates_a_sample_next_to_one_longer_than_the_batch():
+    """A 2049-token sample fills 2048 positions after the shift: a 2-token sample (1 position)
+    never shares its batch, where CollateFn would truncate it to nothing (speculators'
+    sampler clips its lengths to the batch: the costs come from the lengths as given)."""
+    lengths = np.array([2049, 2])
+    got = batches.make_sampler("ffd", lengths, 2048, 1, 0, 0)._generate_batches(0)
+    assert sorted(b.tolist() for b in got) == [[0], [1]]

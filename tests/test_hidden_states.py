@@ -1,3 +1,5 @@
+import struct
+
 import numpy as np
 import pytest
 import tiny
@@ -531,3 +533,110 @@ def test_a_job_sharing_its_gpu_compiles_before_its_turn_and_extracts_only_during
     ], events
     assert stats["turn_wait_seconds"] == 0.0  # a job that shares nothing waits for nothing
     assert (tmp_path / "shard.safetensors").stat().st_size > 0
+
+
+def two_sample_shard(tmp_path, order=(1, 0)):
+    """write_two_samples' shard (samples of 3 and 2 tokens, states 1 and 2) and a manifest
+    with its size and sha256, as extraction writes them."""
+    path = tmp_path / "s.safetensors"
+    digest = write_two_samples(path, order, torch.full((2, 2, 4), 2.0))
+    return path, {"file": {"bytes": path.stat().st_size, "sha256": digest}}
+
+
+def test_layout_refuses_an_unknown_storage():
+    with pytest.raises(ValueError, match=r"storage must be one of \['bf16', 'fp8'\]"):
+        shards.ShardLayout((3, 2), 2, 4, storage="fp16")
+
+
+def test_fp8_quantizes_the_states_as_the_bf16_shard_holds_them():
+    """fp32 states are rounded to bf16 first: the same e4m3 bytes and scales as quantizing
+    the bf16 shard's states."""
+    x = torch.randn(6, 3, 64, generator=torch.Generator().manual_seed(1))
+    values, scales = shards.quantize_fp8(x)
+    want_values, want_scales = shards.quantize_fp8(x.to(torch.bfloat16))
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
+# and S19 (Shard.states defaults to float32 instead of bf16)
+def test_shard_length_and_states_of_each_sample(tmp_path):
+    """Sample i's length is its token count (3, 2) whatever the row order; its states come
+    back as bf16 by default, in the dtype asked for otherwise."""
+    path, _ = two_sample_shard(tmp_path)
+    shard = shards.open_shard(path)
+    assert len(shard) == 2 and [shard.length(i) for i in range(2)] == [3, 2]
+    assert shard.states(0).dtype == torch.bfloat16
+    assert torch.equal(shard.states(1), torch.full((2, 2, 4), 2.0, dtype=torch.bfloat16))
+    assert torch.equal(shard.states(0, torch.float32), torch.ones(3, 2, 4))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x08\x00\x00"], ids=["empty", "three-bytes"])
+def test_shard_without_a_header_is_reported(tmp_path, raw):
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(UserError, match=r"s.safetensors: truncated shard \(no header\)"):
+        shards.open_shard(path)
+
+
+@pytest.mark.parametrize("header", [b'{"a\xff":1}', b'{"a": '], ids=["not-utf8", "not-json"])
+def test_corrupt_shard_header_is_reported(tmp_path, header):
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(UserError, match="s.safetensors: corrupt shard header; delete it"):
+        shards.open_shard(path)
+
+
+def test_shard_with_bytes_after_its_data_is_reported(tmp_path):
+    path, _ = two_sample_shard(tmp_path)
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes() + b"\0" * 16)
+    message = f"shard is {size + 16} bytes but its header describes {size}"
+    with pytest.raises(UserError, match=message):
+        shards.open_shard(path)
+
+
+def test_shard_arrays_are_copy_on_write(tmp_path):
+    """open_shard maps the file copy-on-write: its arrays (and tensors) are writable, and a
+    write changes the process's copy, never the file."""
+    path, _ = two_sample_shard(tmp_path)
+    before = path.read_bytes()
+    shard = shards.open_shard(path)
+    assert shard.input_ids.flags.writeable and shard.valid.flags.writeable
+    shard.input_ids[0] = 99
+    shard.hidden_states[0] = 0
+    assert shard.sample(0)["input_ids"].tolist() == [99, 1, 2]
+    del shard
+    assert path.read_bytes() == before
+
+
+def test_check_shard_reports_a_missing_shard(tmp_path):
+    _, manifest = two_sample_shard(tmp_path)
+    with pytest.raises(UserError, match="gone.safetensors: missing shard; rerun the workflow"):
+        shards.check_shard(tmp_path / "gone.safetensors", manifest)
+
+
+def test_check_shard_without_the_hash_still_compares_the_size(tmp_path):
+    """Ranks other than the first skip the sha256 (full_hash=False) but not the size: a file
+    longer than its manifest says is refused too, a matching one accepted."""
+    path, manifest = two_sample_shard(tmp_path)
+    shards.check_shard(path, manifest, full_hash=False)
+    size = manifest["file"]["bytes"]
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(UserError, match=f"{size + 1} bytes, manifest says {size}: truncated or"):
+        shards.check_shard(path, manifest, full_hash=False)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("verifier", {"name": "other"}), ("layer_ids", [1, 4, 5, 8]), ("hidden_size", 4096),
+     ("state_dtype", "float8_e4m3fn")],
+)  # fmt: skip
+def test_manifest_mismatch_of_each_key_is_refused(key, value):
+    """Each of verifier, layer_ids, hidden_size and state_dtype must equal the config's; a
+    key the config does not give is not compared."""
+    manifest = {"verifier": {"name": "tiny"}, "layer_ids": [2, 4, 5, 8], "hidden_size": 64,
+                "state_dtype": "bfloat16"}  # fmt: skip
+    shards.check_manifest(manifest, {k: v for k, v in manifest.items() if k != key}, "m.json")
+    shards.check_manifest(manifest, dict(manifest), "m.json")
+    with pytest.raises(UserError, match=f"m.json: shard was extracted with {key}="):
+        shards.check_manifest(manifest, {**manifest, key: value}, "m.json")
