@@ -143,6 +143,10 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
         problems.append(f"config.json unreadable: {exc}")
         report["valid"] = False
         return report
+    if not isinstance(raw, dict):
+        problems.append(f"config.json holds a JSON {type(raw).__name__}, not an object")
+        report["valid"] = False
+        return report
     problems += _config_problems(raw, record, expected_aux)
     report.update(_config_facts(raw))
     try:
@@ -169,8 +173,8 @@ def _config_problems(
     problems = [f"config.json lacks {field}" for field in REQUIRED_FIELDS if field not in raw]
     if raw.get("speculators_model_type") != "eagle3":
         problems.append(f"speculators_model_type is {raw.get('speculators_model_type')!r}")
-    spec = raw.get("speculators_config", {})
-    if not spec.get("verifier", {}).get("name_or_path"):
+    spec = _section(raw, "speculators_config")
+    if not _section(spec, "verifier").get("name_or_path"):
         problems.append("speculators_config.verifier.name_or_path is empty (vLLM requires it)")
     problems += [f"absolute path in config: {p}" for p in absolute_paths(raw)]
     if raw.get("eagle_aux_hidden_state_layer_ids") != expected_aux:
@@ -178,7 +182,7 @@ def _config_problems(
             f"eagle_aux_hidden_state_layer_ids {raw.get('eagle_aux_hidden_state_layer_ids')} "
             f"!= extraction layers {expected_aux}"
         )
-    tl = raw.get("transformer_layer_config", {})
+    tl = _section(raw, "transformer_layer_config")
     if tl.get("hidden_size") != record["hidden_size"]:
         problems.append(f"hidden_size {tl.get('hidden_size')} != verifier {record['hidden_size']}")
     if tl.get("vocab_size") != record["vocab_size"]:
@@ -188,14 +192,21 @@ def _config_problems(
 
 def _config_facts(raw: dict[str, Any]) -> dict[str, Any]:
     """The report's summary of config.json."""
-    spec = raw.get("speculators_config", {})
+    spec = _section(raw, "speculators_config")
     methods = spec.get("proposal_methods") or [{}]
     return {
         "speculative_tokens": methods[0].get("speculative_tokens"),
         "draft_vocab_size": raw.get("draft_vocab_size"),
         "aux_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids"),
-        "verifier": spec.get("verifier", {}).get("name_or_path"),
+        "verifier": _section(spec, "verifier").get("name_or_path"),
     }
+
+
+def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object of config.json; empty where it is absent or not an object (null, a
+    list: what the checks then report as missing)."""
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _read_weights(path: Path) -> tuple[dict[str, list[int]], dict[str, str], Any, Any]:

@@ -38,6 +38,26 @@ def broken(pipeline, tmp_path):
     return ckpt
 
 
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda c: [], "config.json holds a JSON list, not an object"),
+        (lambda c: {**c, "speculators_config": None},
+         "speculators_config.verifier.name_or_path is empty (vLLM requires it)"),
+        (lambda c: {**c, "transformer_layer_config": [1]}, "hidden_size None != verifier 64"),
+    ],
+    ids=["list", "null-section", "list-section"],
+)  # fmt: skip
+def test_check_reports_a_config_of_the_wrong_shape(broken, pipeline, damage, problem):
+    """Valid JSON of the wrong shape (a list, a section null or a list) is a problem in the
+    report, not an exception (check never raises for a bad checkpoint)."""
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(damage(config)))
+    report = checkpoint.check(broken, pipeline["record"], [2, 4, 5])
+    assert report["valid"] is False
+    assert problem in report["problems"]
+
+
 def rewrite_tensors(ckpt, fn):
     tensors = load_file(str(ckpt / "model.safetensors"))
     fn(tensors)
