@@ -8,12 +8,14 @@
 #                                    # starts QUEUE's commands one after the other, detached
 #   bench/gpu_queue.sh wait SECONDS  # until every command ended or SECONDS passed
 #   bench/gpu_queue.sh collect       # packs each command's log, exit status and its --out's
-#                                    # bench_*.json files as NAME/ into $OUT/results.tgz, with
+#                                    # bench_*.json files and bench/train.py's profile-*.txt
+#                                    # tables as NAME/ into $OUT/results.tgz, with
 #                                    # the host's lscpu.txt (a call brings back at most 8 files)
 #
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
-# does not stop the rest. collect takes the bench_*.json files of the folder after --out, and
+# does not stop the rest. collect takes the bench_*.json and profile-*.txt files of the folder
+# after --out, and
 # of a workflow run (--run RUN) its jobs' logs, the train job's summary.json and metrics.jsonl
 # and workflow_gpu.py's JSON; after each command the other files under /tmp/o,
 # workflow_gpu.py's default verifier folder and the runs' shards and training state are
@@ -63,9 +65,9 @@ run) # the background part of start
     # NAME.workflow_gpu.json, so that the next run does not overwrite them
     if [ -f "$WORK/workflow_gpu.json" ]; then mv "$WORK/workflow_gpu.json" "$Q/$name.workflow_gpu.json"; fi
     # the disk for the next command (one 8B-shape verifier and its shards fill most of a 64 GiB
-    # disk): the large files go; what collect takes (bench_*.json files, logs) stays, and a
-    # workflow run's training metrics move out of the state folder first
-    find "$OUTS" -type f ! -name 'bench_*.json' -delete 2>/dev/null || true
+    # disk): the large files go; what collect takes (bench_*.json files, profile tables, logs)
+    # stays, and a workflow run's training metrics move out of the state folder first
+    find "$OUTS" -type f ! -name 'bench_*.json' ! -name 'profile-*.txt' -delete 2>/dev/null || true
     for metrics in "$REPO"/results/*/train/state/metrics.jsonl; do
       if [ -f "$metrics" ]; then mv "$metrics" "${metrics%/state/metrics.jsonl}/metrics.jsonl"; fi
     done
@@ -100,7 +102,7 @@ collect)
     mkdir -p "$staged/$name"
     cp "$Q/$name".* "$staged/$name/"
     out=$(sed -n 's/.*--out[= ]\([^ ]*\).*/\1/p' <<<"$command")
-    if [ -n "$out" ]; then cp "$out"/bench_*.json "$staged/$name/" 2>/dev/null || true; fi
+    if [ -n "$out" ]; then cp "$out"/bench_*.json "$out"/profile-*.txt "$staged/$name/" 2>/dev/null || true; fi
     # a workflow run (workflow_gpu.py --run RUN): its jobs' logs and the train job's summary
     # and metrics, as NAME/run/
     run=$(sed -n 's/.*--run[= ]\([^ ]*\).*/\1/p' <<<"$command")

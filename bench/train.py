@@ -29,6 +29,9 @@ model are used by both. Variants (``VARIANTS``):
     ours_1thread          ours with one thread running speculators' CollateFn (the old loader)
     ours_workers          ours with speculators' loader, --workers processes
     ours_nobcast          ours whose DDP does not re-send the draft's buffers every step
+    ours_muon_ffd_bucketview ours_muon_ffd whose DDP gradients are views of its all-reduce
+                          buckets (gradient_as_bucket_view); _nobcast: without DDP's buffer
+                          broadcast; _ddpopts: both
     ours_muon_torch       ours_muon with torch's Muon one matrix at a time (as speculators builds
                           it), not batched by shape (eagle3lib.muon.BatchedMuon)
     ours_muon_1loader     ours_muon with one thread building batches (train.loader_threads: 1)
@@ -268,6 +271,7 @@ class Variant:
     storage: str = "bf16"
     syncs: bool = False  # speculators' loss metrics with their host syncs
     broadcast_buffers: bool = True  # DDP re-sends the draft's buffers every forward
+    bucket_view: bool = False  # DDP's gradients views of its buckets (gradient_as_bucket_view)
     lr_factor: float = 1.0  # a mutation for --same-training
     compiled_ns: bool = False  # an experiment: torch's Muon with its Newton-Schulz compiled
     batched_muon: bool = True  # on a GPU, Muon batched by matrix shape (muon.BatchedMuon)
@@ -356,6 +360,27 @@ VARIANTS = {
     "ours_1thread": Variant(loader_threads=0),  # one thread running speculators' collate
     "ours_workers": Variant(workers=None),  # speculators' loader with --workers processes
     "ours_nobcast": Variant(broadcast_buffers=False),  # under torchrun: DDP without buffer sync
+    # under torchrun: the default recipe with DDP's gradients views of its all-reduce buckets
+    # (no copies in and out), without its per-step buffer broadcast, and with both
+    "ours_muon_ffd_bucketview": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        bucket_view=True,
+    ),
+    "ours_muon_ffd_nobcast": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        broadcast_buffers=False,
+    ),
+    "ours_muon_ffd_ddpopts": Variant(
+        optimizer="muon",
+        log_every=TrainConfig.log_every,
+        packing=TrainConfig.packing,
+        bucket_view=True,
+        broadcast_buffers=False,
+    ),
     "ours_lr2x": Variant(lr_factor=2.0),  # a mutation: twice the learning rate
     # --same-training-optimizer muon: ours_muon with twice the rate (a mutation) and
     # speculators' trainer with Muon on the same batches (no workers)
@@ -807,6 +832,7 @@ def run_variant(
             {
                 "sync_free": not v.syncs,
                 "ddp_broadcast_buffers": v.broadcast_buffers,
+                "ddp_gradient_as_bucket_view": v.bucket_view,
                 "batched_muon": v.batched_muon,
                 "muon_across_ranks": v.muon_across_ranks,
             },
@@ -901,6 +927,9 @@ def run_variant(
         "run_data_wait_fraction": stats.get("data_wait_fraction") if v.trainer == "ours" else None,
         "gpu_busy_fraction": clock.gpu_busy,
         "ddp_broadcast_buffers": getattr(clock.trainer.model, "broadcast_buffers", None),
+        "ddp_gradient_as_bucket_view": getattr(
+            clock.trainer.model, "gradient_as_bucket_view", None
+        ),
         # under DDP: whether every rank ended with the same weights (Muon split over the ranks
         # sends each its update; a lost or misread one would make them differ)
         "ranks_agree": stats["ranks_agree"],
@@ -1337,7 +1366,13 @@ def muon_check(args, record, vocab_map) -> tuple[dict, list[str]]:
 
 
 # variants that differ from another only under DDP: on one GPU they are that one
-ONE_GPU_TWIN = {"ours_nobcast": "ours", "ours_muon_ffd_every_rank": "ours_muon_ffd"}
+ONE_GPU_TWIN = {
+    "ours_nobcast": "ours",
+    "ours_muon_ffd_every_rank": "ours_muon_ffd",
+    "ours_muon_ffd_bucketview": "ours_muon_ffd",
+    "ours_muon_ffd_nobcast": "ours_muon_ffd",
+    "ours_muon_ffd_ddpopts": "ours_muon_ffd",
+}
 DEFAULT_RECIPE = "ours_muon_ffd"  # the train rule's defaults: Muon, log every 10, ffd
 
 

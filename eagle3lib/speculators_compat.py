@@ -234,6 +234,10 @@ def _given(key: str) -> Callable[[Any, dict[str, Any]], Any]:
     return lambda _original, context: context[key]
 
 
+def _ddp_options(original, context) -> Callable:
+    return functools.partial(original, **context["ddp_options"])
+
+
 def _unpinned_torch(_original, _context) -> types.ModuleType:
     original = torch.empty_like
 
@@ -321,6 +325,12 @@ PATCHES: tuple[Patch, ...] = (
           "search; they are the tensors lm_weights resolved for the verifier's architecture "
           "(any other request is refused). Only while a draft is built or exported",
           "speculators.utils.loading.load_model_layers"),
+    Patch("ddp_options", f"{_TRAINER}.DistributedDataParallel", _ddp_options, SPECULATORS,
+          "speculators wraps the draft in torch's DistributedDataParallel with its defaults; "
+          "context ddp_options adds keyword arguments (gradient_as_bucket_view: the gradients "
+          "are views of DDP's all-reduce buckets, not copied into them and back). Only while "
+          "StreamingTrainer._setup_model_ddp runs",
+          f"{_TRAINER}.Trainer._setup_model_ddp"),
     Patch("gloo_group", f"{_DIST}._local_rank", _given("local_rank"), SPECULATORS, _GLOO_WHY,
           f"{_DIST}.maybe_setup_distributed"),
     Patch("gloo_group", f"{_DIST}._is_distributed", lambda _o, _c: True, SPECULATORS,

@@ -321,6 +321,10 @@ class StreamingTrainer(Trainer):
     # draft's (t2d, d2t, rotary frequencies) never change after DDP's initial sync, so False
     # saves that per-step collective (bench/train.py variant ours_nobcast measures it)
     ddp_broadcast_buffers = True
+    # DDP copies each gradient into its all-reduce buckets and back after the reduction
+    # (torch's default); True makes the gradients views of the buckets (torch's
+    # gradient_as_bucket_view: no copies and no second copy of the gradients held)
+    ddp_gradient_as_bucket_view = False
     # train.graph_step: the step captured into a CUDA graph once and replayed
     # (graphed_step.GraphedStep); AdamW or batched Muon, one GPU, batches of one shape
     graph_step = False
@@ -342,7 +346,9 @@ class StreamingTrainer(Trainer):
         return 0.0 if self._in_flight is None else self._in_flight.wait_seconds
 
     def _setup_model_ddp(self, load_checkpoint: bool):
-        super()._setup_model_ddp(load_checkpoint)
+        options = {"gradient_as_bucket_view": self.ddp_gradient_as_bucket_view}
+        with speculators_patches("ddp_options", ddp_options=options):
+            super()._setup_model_ddp(load_checkpoint)
         if not self.ddp_broadcast_buffers:
             stop_buffer_broadcast(self.model)
 

@@ -452,7 +452,8 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     """bench/gpu_queue.sh's run and collect (start, which copies the tree and installs wheels,
     is for the GPU machine): every entry runs though one fails; after each, a run's shards and
     training state are deleted, its training metrics moved out first; collect packs each
-    entry's log and exit status, an --out folder's bench_*.json files, and a workflow run's
+    entry's log and exit status, an --out folder's bench_*.json files and profile tables
+    (bench/train.py's profile-*.txt), and a workflow run's
     (--run RUN) logs, train summary and metrics, and workflow_gpu.py's JSON (its entry's only)."""
     import subprocess
     import tarfile
@@ -473,7 +474,9 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
         "# a comment\n"
         f"wf {make_run} && echo done  # --run wfx\n"
         f"broken false --out {tmp_path / 'o' / 'x'}\n"
-        f"bench mkdir -p {bench_out} && echo '{{}}' > {bench_out}/bench_train.json --out {bench_out}\n"
+        f"bench mkdir -p {bench_out} && echo '{{}}' > {bench_out}/bench_train.json"
+        f" && echo t > {bench_out}/profile-ours.txt && echo s > {bench_out}/shard.bin"
+        f" --out {bench_out}\n"
     )
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "profile.json").write_text("{}")  # not a bench_*.json: deleted
@@ -494,6 +497,8 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     assert not (tmp_path / "o" / "profile.json").exists()
     assert not (tmp_path / "work" / "verifier").exists()
     assert (bench_out / "bench_train.json").exists()
+    assert (bench_out / "profile-ours.txt").exists()
+    assert not (bench_out / "shard.bin").exists()
     subprocess.run([script, "collect"], env=env, check=True, timeout=60)
     with tarfile.open(out / "results.tgz") as tar:
         names = {n.removeprefix("./") for n in tar.getnames()}
@@ -501,7 +506,7 @@ def test_gpu_queue_runs_its_entries_and_brings_back_a_workflow_runs_logs_and_met
     assert {
         "wf/wf.log", "wf/wf.rc", "wf/run/logs/train.log", "wf/run/summary.json",
         "wf/run/metrics.jsonl", "wf/wf.workflow_gpu.json", "broken/broken.rc",
-        "bench/bench_train.json",
+        "bench/bench_train.json", "bench/profile-ours.txt",
     } <= names, names  # fmt: skip
     assert not [n for n in names if n.endswith("workflow_gpu.json") and not n.startswith("wf/")]
     assert metrics == b'{"step": 1}\n'

@@ -46,6 +46,9 @@ PINNED_SOURCES = {
     "speculators.utils.loading.load_model_layers": (
         "ea974cfab0fce32a2945924f3ce56131edd0a26e6a0c4ecc1df7f4b96e4cca4b"
     ),
+    "speculators.train.trainer.Trainer._setup_model_ddp": (
+        "ab75cdbea20ae2bcddaa8eec28bdc3e8215624c2afb9f07b71782d18789a2cf9"
+    ),
     "speculators.train.distributed.maybe_setup_distributed": (
         "ce8ff9c12a247fe797346cfd7b3fc852c6f2b0632676a01249b02fe9f77acf8c"
     ),

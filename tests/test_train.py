@@ -978,6 +978,20 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
     assert curves["val"] == reference_curves["val"]
 
 
+def one_torchrun_rank(monkeypatch) -> None:
+    """torchrun's variables for one rank in a group of one on a free local port: train.train
+    then takes DDP's code path in this process (gloo on a CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+
 def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
     pipeline, tmp_path, capfd, monkeypatch
 ):
@@ -987,19 +1001,11 @@ def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
     of one in this process (torchrun's variables set): DDP's code path, votes and all. No
     logging step after step 0, and votes due every (steps an epoch - 1) steps: the first is
     cast after the first epoch's last step, when the signal has come."""
-    import socket
-
     from eagle3lib import distributed
 
     metrics = train.read_metrics(pipeline["dir"] / "state" / "metrics.jsonl")
     first_epoch = len([m for m in metrics if "train" in m and m["epoch"] == 0])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port)}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
+    one_torchrun_rank(monkeypatch)
     monkeypatch.setattr(streaming_trainer, "STOP_VOTE_STEPS", first_epoch - 1)
     stopping = type("Stopping", (SignalledAt,), {"at": first_epoch})
     state = tmp_path / "state"
@@ -1012,6 +1018,50 @@ def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
     saved = json.loads((state / "0" / "training_state.json").read_text())
     assert saved == {"epoch": 0, "local_step": first_epoch, "global_step": first_epoch}
     assert not [m for m in train.read_metrics(state / "m.jsonl") if "val" in m]
+
+
+class DdpRecorded(streaming_trainer.StreamingTrainer):
+    seen: dict
+
+    def run_training(self):
+        super().run_training()
+        self.seen["bucket_view"] = self.model.gradient_as_bucket_view
+        self.seen["grad_is_bucket"] = [
+            p.grad is not None and p.grad.untyped_storage().nbytes() > p.grad.nbytes
+            for p in self.model.module.parameters()
+            if p.requires_grad
+        ]
+        weights = self.model.module.state_dict()
+        self.seen["weights"] = {k: v.clone() for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_gradients_as_bucket_views_train_the_same_weights(
+    pipeline, tmp_path, monkeypatch, optimizer
+):
+    """StreamingTrainer.ddp_gradient_as_bucket_view reaches speculators' DDP (torch's
+    gradient_as_bucket_view: each gradient a view of an all-reduce bucket, so several share
+    one storage), and the draft trains to the same bytes as with DDP's copies. One rank in a
+    gloo group of one in this process: DDP's code path, its reducer and all-reduce."""
+    from eagle3lib import distributed
+
+    one_torchrun_rank(monkeypatch)
+    runs = {}
+    for view in (False, True):
+        runs[view] = {}
+        recorded = type(
+            "Recorded", (DdpRecorded,), {"seen": runs[view], "ddp_gradient_as_bucket_view": view}
+        )
+        with distributed.torn_down():
+            train_pipeline(
+                pipeline, tmp_path / str(view), recorded, epochs=1, max_steps=4, optimizer=optimizer
+            )
+    assert (runs[False]["bucket_view"], runs[True]["bucket_view"]) == (False, True)
+    assert not any(runs[False]["grad_is_bucket"])
+    assert any(runs[True]["grad_is_bucket"])
+    assert runs[False]["weights"].keys() == runs[True]["weights"].keys()
+    for name, value in runs[False]["weights"].items():
+        assert torch.equal(value, runs[True]["weights"][name]), name
 
 
 class SavesRecorded(streaming_trainer.StreamingTrainer):
