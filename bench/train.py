@@ -289,72 +289,50 @@ class Variant:
         return self.cuda_graphs or self.cpp_wrapper or self.graph_step
 
 
+def default_recipe(**changes) -> Variant:
+    """Ours with the workflow's default recipe (Muon, log every train.log_every steps,
+    train.packing), with ``changes``."""
+    return Variant(
+        **{"optimizer": "muon", "log_every": TrainConfig.log_every, "packing": TrainConfig.packing}
+        | changes
+    )
+
+
 # ``name+contend`` runs ``name`` with --contend busy processes during its timed window.
 VARIANTS = {
     # StreamingTrainer, AdamW, metrics every 100 steps, batches built by 4 threads
     "ours": Variant(),
     # the workflow's default recipe (Muon, log every train.log_every (10) steps) with
     # speculators' packing; ours_muon_ffd: with the workflow's default packing too
-    "ours_muon": Variant(optimizer="muon", log_every=TrainConfig.log_every, packing="multipack"),
-    "ours_muon_ffd": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, packing=TrainConfig.packing
-    ),
-    "ours_muon_ffd_standard": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        newton_schulz="standard",
-    ),  # fmt: skip
+    "ours_muon": default_recipe(packing="multipack"),
+    "ours_muon_ffd": default_recipe(),
+    "ours_muon_ffd_standard": default_recipe(newton_schulz="standard"),
     # under torchrun: every rank orthogonalises every Muon matrix (as torch's Muon does)
-    "ours_muon_ffd_every_rank": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        muon_across_ranks=False,
-    ),
+    "ours_muon_ffd_every_rank": default_recipe(muon_across_ranks=False),
     # an experiment, not a train option: ours_muon with torch's Newton-Schulz function under
     # torch.compile (dynamo turns to dynamic shapes after the second matrix shape: 4 graphs on
     # an H200), to size the host time Muon's eager ops cost
-    "ours_muon_nscompiled": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, compiled_ns=True, batched_muon=False
+    "ours_muon_nscompiled": default_recipe(
+        packing="multipack", compiled_ns=True, batched_muon=False
     ),
     # ours_muon with torch's Muon as speculators builds it (one matrix at a time), as before
     # muon.BatchedMuon
-    "ours_muon_torch": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, batched_muon=False
-    ),
+    "ours_muon_torch": default_recipe(packing="multipack", batched_muon=False),
     # the loader of the default recipe: one thread, or worker processes, against 4 threads
     # (a host-bound step shares the GIL with the threads building its batches)
-    "ours_muon_1loader": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, loader_threads=1
-    ),
-    "ours_muon_workers": Variant(optimizer="muon", log_every=TrainConfig.log_every, workers=None),
+    "ours_muon_1loader": default_recipe(packing="multipack", loader_threads=1),
+    "ours_muon_workers": default_recipe(packing="multipack", workers=None),
     # experiments for a host-bound step (a SmolLM2-sized draft): the default recipe whole with
     # its compiled regions replayed as CUDA graphs, or launched from inductor's C++ wrapper
-    "ours_muon_ffd_cg": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        cuda_graphs=True,
-    ),
-    "ours_muon_ffd_cppwrap": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        cpp_wrapper=True,
-    ),
+    "ours_muon_ffd_cg": default_recipe(cuda_graphs=True),
+    "ours_muon_ffd_cppwrap": default_recipe(cpp_wrapper=True),
     "ours_ffd": Variant(packing="ffd"),  # train.packing: ffd (fuller batches)
     # for a host that slows the step's launches: ours_ffd's step captured into one CUDA graph
     # after 3 eager steps and replayed (train.graph_step: true, auto's choice on one GPU;
     # an experiment here, so that a failed capture does not cost the call's other runs)
     "ours_ffd_graph": Variant(packing="ffd", graph_step=True),
     # the same for the default recipe (Muon's rate a tensor on the device: muon.BatchedMuon)
-    "ours_muon_ffd_graph": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        graph_step=True,
-    ),
+    "ours_muon_ffd_graph": default_recipe(graph_step=True),
     "ours_fp8": Variant(storage="fp8"),  # fp8 shards of the same states
     "ours_syncs": Variant(syncs=True),  # speculators' metrics with their 8 host syncs a step
     "ours_1thread": Variant(loader_threads=0),  # one thread running speculators' collate
@@ -362,31 +340,13 @@ VARIANTS = {
     "ours_nobcast": Variant(broadcast_buffers=False),  # under torchrun: DDP without buffer sync
     # under torchrun: the default recipe with DDP's gradients views of its all-reduce buckets
     # (no copies in and out), without its per-step buffer broadcast, and with both
-    "ours_muon_ffd_bucketview": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        bucket_view=True,
-    ),
-    "ours_muon_ffd_nobcast": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        broadcast_buffers=False,
-    ),
-    "ours_muon_ffd_ddpopts": Variant(
-        optimizer="muon",
-        log_every=TrainConfig.log_every,
-        packing=TrainConfig.packing,
-        bucket_view=True,
-        broadcast_buffers=False,
-    ),
+    "ours_muon_ffd_bucketview": default_recipe(bucket_view=True),
+    "ours_muon_ffd_nobcast": default_recipe(broadcast_buffers=False),
+    "ours_muon_ffd_ddpopts": default_recipe(bucket_view=True, broadcast_buffers=False),
     "ours_lr2x": Variant(lr_factor=2.0),  # a mutation: twice the learning rate
     # --same-training-optimizer muon: ours_muon with twice the rate (a mutation) and
     # speculators' trainer with Muon on the same batches (no workers)
-    "ours_muon_lr2x": Variant(
-        optimizer="muon", log_every=TrainConfig.log_every, packing="multipack", lr_factor=2.0
-    ),
+    "ours_muon_lr2x": default_recipe(packing="multipack", lr_factor=2.0),
     "speculators_muon_w0": Variant("speculators", optimizer="muon", log_every=10**9, workers=0),
     # speculators.train.trainer.Trainer, AdamW, no per-step logging, its loader (spawned
     # workers, prefetch 4, pinned) with 0, 4, 12 or --workers workers
