@@ -89,16 +89,22 @@ def load_config(checkpoint: Path):
 
 def check_readable(checkpoint: Path) -> None:
     """Raise a one-line UserError if config.json or model.safetensors is missing, unparsable or
-    truncated (safetensors checks that its header's offsets cover the file exactly)."""
+    truncated (safetensors checks that its header's offsets cover the file exactly), or
+    config.json is not a JSON object."""
     from safetensors import safe_open
 
     redo = f"delete {checkpoint} and rerun the workflow to retrain it"
     config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"
     try:
-        json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         detail = getattr(exc, "strerror", None) or first_line(exc)
         raise UserError(f"{config_path}: unreadable checkpoint config ({detail}); {redo}") from None
+    if not isinstance(config, dict):
+        raise UserError(
+            f"{config_path}: unreadable checkpoint config (a JSON {type(config).__name__}, not "
+            f"an object); {redo}"
+        )
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             list(f.keys())

@@ -36,6 +36,11 @@ def build(token_freq: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, 
 
 def check(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
     """The invariants vLLM and speculators rely on; raise ValueError if one fails."""
+    if d2t.dim() != 1 or t2d.dim() != 1:
+        raise ValueError(
+            f"d2t has shape {list(d2t.shape)}, t2d {list(t2d.shape)} (expected 1-D: "
+            f"[{draft_vocab_size}] and [{vocab_size}])"
+        )
     targets = torch.arange(len(d2t)) + d2t
     if len(d2t) != draft_vocab_size or len(t2d) != vocab_size:
         raise ValueError(

@@ -1,6 +1,8 @@
 import dataclasses
 import json
 import math
+import pickle
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -1383,3 +1385,189 @@ def test_metrics_are_logged_every_log_every_steps_with_the_rate_as_a_number(pipe
     assert len(records) >= 3
     assert all(type(r["lr"]) is float for r in records)
     assert all(r["profile"]["tokens_per_s"] > 0 for r in records)
+
+
+def copied_shards(pipeline, tmp_path):
+    """The pipeline's shards and manifests copied into tmp_path (so they can be changed)."""
+    shards, manifests = [], []
+    for shard, manifest in zip(pipeline["shards"], pipeline["manifests"], strict=True):
+        shutil.copy(shard, tmp_path / shard.name)
+        shutil.copy(manifest, tmp_path / manifest.name)
+        shards.append(tmp_path / shard.name)
+        manifests.append(tmp_path / manifest.name)
+    return shards, manifests
+
+
+# catches these mutations: '(and 0 more damaged shard(s))' for one, the whole check_shard text
+# kept
+def test_one_damaged_shard_is_one_line_naming_it_and_its_removed_manifest(pipeline, tmp_path):
+    """One damaged shard: the first clause of its problem, no '(and N more ...)', the manifest
+    removed, what to do: exactly this line."""
+    shards, manifests = copied_shards(pipeline, tmp_path)
+    data = bytearray(shards[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[1].write_bytes(bytes(data))
+    with pytest.raises(UserError) as err:
+        train_data.open_verified_shards(shards, manifests, {})
+    assert str(err.value) == (
+        f"{shards[1]}: content does not match the sha256 in its manifest (corrupt); removed its "
+        f"manifest {manifests[1]}: rerun the workflow to rebuild this shard"
+    )
+
+
+# catches these mutations: zip without strict=True: a shard without its manifest silently left out
+def test_shards_and_manifests_must_pair_up(pipeline, tmp_path):
+    """Two shards with one manifest is a programming error, never a silent one-shard run."""
+    shards, manifests = copied_shards(pipeline, tmp_path)
+    with pytest.raises(ValueError, match="zip"):
+        train_data.open_verified_shards(shards, manifests[:1], {})
+
+
+# catches these mutations: ThreadPoolExecutor(max_workers=0) for no shards
+def test_no_shards_open_to_none():
+    """No shards: nothing to check, an empty list (split_indices then says why it can't train)."""
+    assert train_data.open_verified_shards([], [], {}) == []
+
+
+# catches these mutations: every call hashes every shard again, ignoring _VERIFIED
+def test_a_shard_is_hashed_once_per_process_until_it_changes(pipeline, tmp_path, monkeypatch):
+    """The first check hashes each shard; a second check of the same unchanged files reads
+    none (size and mtime unchanged); a rewritten file is hashed again."""
+    import os
+
+    from eagle3lib import fileio
+
+    shards, manifests = copied_shards(pipeline, tmp_path)
+    reads = []
+    read = fileio._read_sha256
+    monkeypatch.setattr(
+        fileio,
+        "_read_sha256",
+        lambda p, chunk=1 << 22: reads.append(Path(p).name) or read(p, chunk),
+    )
+    monkeypatch.setattr(train_data, "_VERIFIED", set())
+    monkeypatch.delenv("RANK", raising=False)
+    assert len(train_data.open_verified_shards(shards, manifests, {})) == 2
+    assert sorted(reads) == ["shard-0.safetensors", "shard-1.safetensors"]
+    assert len(train_data.open_verified_shards(shards, manifests, {})) == 2
+    assert len(reads) == 2  # both known: not read again
+    st = shards[0].stat()
+    os.utime(shards[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    train_data.open_verified_shards(shards, manifests, {})
+    assert reads[2:] == ["shard-0.safetensors"]  # touched: hashed again
+
+
+def only_valid(pipeline, keep):
+    """The pipeline's shards with every sample but those in ``keep`` rejected."""
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    for s, shard in enumerate(shards):
+        shard.valid = shard.valid.copy()
+        shard.valid[:] = 0
+        for ks, ki in keep:
+            if ks == s:
+                shard.valid[ki] = 1
+    return shards
+
+
+# catches these mutations: len(pairs) < 1: one sample gives an empty training set
+def test_one_usable_sample_is_refused(pipeline):
+    """One usable sample (the others rejected for NaN): a UserError, not a run on nothing."""
+    shards = only_valid(pipeline, [(1, 3)])
+    with pytest.raises(
+        UserError, match=r"rejected for non-finite .* 1 usable; training needs at least 2"
+    ):
+        train_data.split_indices(shards, 0.1)
+    two = train_data.split_indices(only_valid(pipeline, [(0, 2), (1, 3)]), 0.1)
+    assert two == ([(0, 2)], [(1, 3)])
+
+
+# catches these mutations: n_val up to len(pairs): nothing left to train on, max(0, ...): n_val 0
+# makes pairs[:-0] empty and validation everything
+@pytest.mark.parametrize(("fraction", "n_val"), [(0.01, 1), (0.1, 4), (0.5, 20), (0.99, 39)])
+def test_the_split_keeps_at_least_one_sample_on_each_side(pipeline, fraction, n_val):
+    """40 samples: validation is the last round(40 * fraction) of them, at least 1 and at
+    most 39, so training always keeps the first ones."""
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    every = [(s, i) for s, shard in enumerate(shards) for i in range(len(shard))]
+    train_pairs, val_pairs = train_data.split_indices(shards, fraction)
+    assert train_pairs == every[: 40 - n_val] and val_pairs == every[40 - n_val :]
+
+
+# catches these mutations: __getstate__ keeps the open shards: each DataLoader worker gets a copy
+# of them
+def test_a_pickled_dataset_reopens_its_shards(pipeline):
+    """What a spawned DataLoader worker receives: the dataset without its memory maps (not
+    copies of whole shards), which it reopens on first use and serves the same samples from."""
+    ds = train_data.ShardDataset(pipeline["shards"], [(0, 0), (1, 2)], 256, torch.float32)
+    want = ds[1]
+    assert ds._shards is not None
+    data = pickle.dumps(ds)
+    assert len(data) < 10_000
+    copy = pickle.loads(data)
+    assert copy._shards is None
+    got = copy[1]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# catches these mutations: placeholder scales [T, aux*H] instead of [T, aux], last scales [T, H]
+def test_the_fp8_placeholder_batch_has_a_real_batchs_keys_shapes_and_dtypes(pipeline, fp8_shards):
+    """A batch without any sample (CollateFn's placeholder) from an fp8 dataset has the keys,
+    shapes and dtypes of a real fp8 batch (as the hook and a compiled draft expect), its states
+    all zero."""
+    from speculators.train.data import CollateFn
+
+    shards = [open_shard(p) for p in fp8_shards[0]]
+    pairs, _ = train_data.split_indices(shards, 0.1)
+    ds = train_data.ShardDataset(fp8_shards[0], pairs, 256, torch.float32, "fp8")
+    real = next(iter(train_data.make_loader(ds, 256, 64, 3, 0)))
+    empty = CollateFn(256, 64, 3, torch.float32, train_data.shift_fp8_batch)([])
+    for key, value in real.items():  # (the placeholder adds speculators' "__recovery__")
+        if isinstance(value, torch.Tensor):
+            assert (empty[key].shape, empty[key].dtype) == (value.shape, value.dtype), key
+    assert empty["fp8_aux_scales"].shape == (1, 256, 3)
+    assert empty["fp8_last_scales"].shape == (1, 256)
+    for key in train_data.FP8_KEYS:
+        assert not empty[key].any(), key
+
+
+# catches these mutations: the hook assumes 3 aux layers
+@pytest.mark.parametrize("n_aux", [1, 2, 4])
+def test_fp8_inputs_dequantizes_any_number_of_aux_layers(n_aux):
+    """The pre-hook splits fp8_aux by its scales' count (the aux layers), whatever it is: the
+    states are exactly dequantize_fp8 of each slot, side by side; other kwargs pass."""
+    from eagle3lib.shards import dequantize_fp8, quantize_fp8
+
+    torch.manual_seed(0)
+    aux_states, last_states = torch.randn(1, 5, n_aux, 8), torch.randn(1, 5, 8)
+    aux, aux_scales = quantize_fp8(aux_states)
+    last, last_scales = quantize_fp8(last_states)
+    kwargs = {
+        "fp8_aux": aux.view(torch.uint8).flatten(-2),
+        "fp8_aux_scales": aux_scales,
+        "fp8_last": last.view(torch.uint8),
+        "fp8_last_scales": last_scales,
+        "input_ids": torch.arange(5)[None],
+    }
+    _, out = train_data.fp8_inputs(torch.float32)(None, (), kwargs)
+    assert set(out) == {"input_ids", "hidden_states", "verifier_last_hidden_states"}
+    assert out["hidden_states"].shape == (1, 5, n_aux * 8)
+    assert torch.equal(
+        out["hidden_states"], dequantize_fp8(aux, aux_scales, torch.float32).flatten(-2)
+    )
+    assert torch.equal(
+        out["verifier_last_hidden_states"], dequantize_fp8(last, last_scales, torch.float32)
+    )
+
+
+# catches these mutations: the sampler's seed ignored
+def test_the_loaders_batches_follow_the_seed(pipeline):
+    """The same seed gives the same batches; another seed packs or orders them differently."""
+    shards = [open_shard(p) for p in pipeline["shards"]]
+    pairs, _ = train_data.split_indices(shards, 0.1)
+    ds = train_data.ShardDataset(pipeline["shards"], pairs, 256, torch.float32)
+
+    def order(seed):
+        return [list(b) for b in train_data.make_loader(ds, 256, 64, 3, seed).batch_sampler]
+
+    assert order(0) == order(0)
+    assert order(0) != order(1)

@@ -69,6 +69,10 @@ def test_invariant_checks_catch_broken_maps():
         vocab.check(d2t, t2d, 5, 20)
     with pytest.raises(ValueError, match="expected int64/bool"):
         vocab.check(d2t.int(), t2d, 4, 20)
+    with pytest.raises(ValueError, match=r"d2t has shape \[4, 1\], t2d \[20\] \(expected 1-D"):
+        vocab.check(d2t[:, None], t2d, 4, 20)
+    with pytest.raises(ValueError, match=r"d2t has shape \[\], t2d \[20\]"):
+        vocab.check(d2t[0], t2d, 4, 20)
 
 
 def test_save_load_round_trip(tmp_path):
