@@ -123,20 +123,20 @@ start more slowly):
        python3 bench/train.py --samples 120 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 12 --repeat 3 \
          --variants ours,speculators_w0,speculators_w4,speculators_w12,ours_muon,speculators_cli,ours+contend
-  2. two H200s (nvidia-h200-x2), perhaps 15 min, 25 runs: 13 on one GPU, 12 DDP (not run
+  2. two H200s (nvidia-h200-x2), perhaps 15 min, 28 runs: 13 on one GPU, 15 DDP (not run
      as one call: ffd packing ran on one H200, the same training on GPU 1 of the x2 host, both
      2026-12-01, BENCHMARKS.md; the DDP part has not run since the sync fix's three calls):
      on GPU 0 the default packing, the default recipe, ours and the old loader under
      contention (24 busy processes on its 32 cores) and same training over 50 steps; then DDP
-     of ours with and without the buffer broadcast and of the default recipe (the workflow's
-     train rule) with and without Muon split over the ranks, each against its own one-GPU run
-     of the call (``scaling_lines``):
+     of the default recipe (the workflow's train rule) with torch's DDP defaults, with its
+     gradients as bucket views, without its buffer broadcast, with both, and without Muon
+     split over the ranks, each against the one-GPU run of the call (``scaling_lines``):
        python3 bench/train.py --samples 240 --steps 28 --warmup 8 --profile-steps 0 \
          --contend 24 --repeat 2 --same-training 50 \
          --variants ours,ours_ffd,ours_muon_ffd,ours_ffd+contend,ours_1thread+contend && \
        torchrun --nproc-per-node 2 bench/train.py --samples 240 --steps 28 --warmup 8 \
          --profile-steps 0 --repeat 3 \
-         --variants ours,ours_nobcast,ours_muon_ffd,ours_muon_ffd_every_rank \
+         --variants ours_muon_ffd,ours_muon_ffd_bucketview,ours_muon_ffd_nobcast,ours_muon_ffd_ddpopts,ours_muon_ffd_every_rank \
          --baseline /tmp/eagle3-bench-train/bench_train.json
      (queue bench/queues/train-2gpu.txt)
   3. one H200, 7 runs, perhaps 12 min (its first two runs ran on 2026-12-05, BENCHMARKS.md:
