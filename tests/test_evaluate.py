@@ -503,3 +503,155 @@ def test_out_of_draft_vocab_share_counts_tokens_the_draft_cannot_propose(draft):
     assert evaluate.out_of_draft_vocab([inside, [outside]], vocabulary) == 0.25
     assert evaluate.out_of_draft_vocab([inside], None) == 0.0  # no map: the full vocabulary
     assert evaluate.out_of_draft_vocab([[], []], vocabulary) is None
+
+
+def prompt_ids(tokenizer, text="Tell me about the draft model"):
+    return data.prompt_token_ids(tokenizer, text)
+
+
+def hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in decoder_layers(model))
+
+
+# Catches: replay_steps starting its loop even when the first generated token is
+# end-of-sequence (initial done forced False); acceptance_stats of no verifier step giving an
+# acceptance length (1.0) instead of None, or per-position rates of None instead of 0.0.
+def test_a_first_token_that_ends_the_sequence_takes_no_verifier_step():
+    """An empty answer (the prompt's forward already yields end-of-sequence): the replayed loop
+    takes no step and outputs that one token, and the stats of no step have no acceptance
+    length (not 1.0) and zero per-position rates."""
+    tokens = [7, 8, 2, 21, 22, 23, 24, 25]  # 2 (end-of-sequence) is the first generated token
+    runs = [3] * len(tokens)  # the draft would have been right everywhere
+    accepted, out = evaluate.replay_steps(runs, tokens, 2, k=3, max_new_tokens=5, eos={2})
+    assert accepted == [] and out == [2]
+    stats = evaluate.acceptance_stats(accepted, 3)
+    assert stats["steps"] == 0 and stats["accepted_tokens"] == 0
+    assert stats["acceptance_length"] is None
+    assert stats["per_position_acceptance"] == [0.0, 0.0, 0.0]
+
+
+# Catches: token_positions without its clamp at zero (negative position counts for answers of
+# one token, which then shrink the denominators summed over prompts).
+def test_a_one_token_answer_adds_no_per_token_positions():
+    """A continuation of one token has no drafted position at any step: it adds 0 (never a
+    negative count) to every step's positions, so other prompts' rates are unchanged."""
+    assert [evaluate.token_positions(1, j) for j in range(3)] == [0, 0, 0]
+    assert [evaluate.token_positions(0, j) for j in range(3)] == [0, 0, 0]
+    runs = [3, 3, 3, 3, 3, 3, 3, 0, 1, 0, 3, 0, 0, 0]  # as in the per-token accuracy test
+    counts = evaluate.TokenCounts(3)
+    counts.add(runs, 2, 10)
+    counts.add(runs, 2, 1)  # an answer of one token (its end-of-sequence)
+    assert counts.first(3) == ([7, 6, 6], [9, 8, 7])
+    stats = evaluate.acceptance_stats([3, 0], 3, *counts.first(3))
+    assert stats["per_token_accuracy"] == pytest.approx([7 / 9, 6 / 8, 6 / 7])
+
+
+# Catches: speculative_decode entering its loop (one verifier step, one draft call) when the
+# prompt's forward already yields end-of-sequence (initial done forced False).
+def test_decoding_takes_no_step_when_the_first_token_ends_the_sequence(verifier_model, tokenizer):
+    """The verifier's first token is end-of-sequence: the output is that token, no verifier
+    step is taken and the draft is never asked, as greedy decoding also stops there."""
+    prompt = prompt_ids(tokenizer)
+    first = evaluate.greedy_reference(verifier_model, prompt, 1, set())[0]
+
+    class Never:
+        dtype = torch.float32
+
+        def propose(self, aux, tokens, k):
+            raise AssertionError("the draft was asked for proposals")
+
+    capture = Capture(decoder_layers(verifier_model), AUX)
+    try:
+        result = evaluate.speculative_decode(
+            verifier_model, capture, Never(), prompt, 3, 10, {first}
+        )
+    finally:
+        capture.remove()
+    assert result == {"tokens": [first], "accepted": []}
+    assert evaluate.greedy_reference(verifier_model, prompt, 10, {first}) == [first]
+
+
+# Catches: the decode loop's acceptance no longer stopping after an accepted end-of-sequence
+# proposal (proposals after it counted as accepted when they equal the verifier's argmax).
+def test_decoding_counts_no_proposal_after_an_accepted_end_of_sequence(verifier_model, tokenizer):
+    """With an oracle draft and the second greedy token declared end-of-sequence, the first
+    step accepts the proposal that is that token and none after it (which the verifier, running
+    on past the end, would also predict): accepted [1], as chain_runs counts, and the text ends
+    at that token like greedy decoding."""
+    prompt = prompt_ids(tokenizer, "Why is decoding fast")
+    greedy = evaluate.greedy_reference(verifier_model, prompt, 6, set())
+    end = greedy[1]
+    assert end != greedy[0]  # the tiny verifier's greedy text: [188, 277, 188, 277, ...]
+    capture = Capture(decoder_layers(verifier_model), AUX)
+    try:
+        result = evaluate.speculative_decode(
+            verifier_model, capture, OracleDrafter(verifier_model), prompt, 3, 10, {end}
+        )
+    finally:
+        capture.remove()
+    assert result["accepted"] == [1]
+    assert result["tokens"] == greedy[:2]
+    assert result["tokens"] == evaluate.greedy_reference(verifier_model, prompt, 10, {end})
+
+
+# Catches: replay_prompt reporting one position more (or fewer) compared than the generated
+# tokens, which skews argmax_agreement.
+def test_replay_prompt_compares_the_verifier_argmax_at_every_generated_token(
+    draft, verifier_model, tokenizer
+):
+    """On the verifier's own greedy text every generated token is compared and agrees; a
+    changed generated token is counted as a disagreement out of the same positions. The
+    draft's predictions cover every position for every step."""
+    from eagle3lib.drafter import Drafter
+
+    prompt = prompt_ids(tokenizer)
+    greedy = evaluate.greedy_reference(verifier_model, prompt, 6, set())
+    tokens = prompt + greedy
+    capture = Capture(decoder_layers(verifier_model), AUX)
+    try:
+        drafter = Drafter(draft)
+        predictions, wrong, compared = evaluate.replay_prompt(
+            verifier_model, capture, drafter, tokens, len(prompt), 2
+        )
+        assert (wrong, compared) == (0, 6)
+        assert predictions.shape == (2, len(tokens) - 1)
+        changed = tokens[:-1] + [(tokens[-1] + 1) % verifier_model.config.vocab_size]
+        _, wrong, compared = evaluate.replay_prompt(
+            verifier_model, capture, drafter, changed, len(prompt), 2
+        )
+        assert (wrong, compared) == (1, 6)
+    finally:
+        capture.remove()
+
+
+# Catches: evaluate leaving its hooks on the verifier (capture.remove() dropped from the
+# finally), on success and when a set fails; the summary's "results" keeping every set's
+# per-prompt records; the headline's per-prompt records after the first keeping their tokens.
+def test_evaluate_leaves_no_hooks_and_keeps_per_prompt_records_only_for_the_headline(
+    draft, verifier_model, tokenizer
+):
+    """After evaluate (or an error in it) the verifier has no hooks left; "results" are one
+    summary per (set, k) without per-prompt records; the top-level per-prompt records are the
+    headline's: the first with its text (the greedy text decoded), the others without tokens."""
+    before = hook_count(verifier_model)
+    prompts = [
+        {"id": str(i), "token_ids": prompt_ids(tokenizer, t)}
+        for i, t in enumerate(["Tell me about the draft model", "Why is decoding fast"])
+    ]
+    sets = [{"name": "a", "prompts": prompts}, {"name": "b", "prompts": prompts[:1]}]
+    cfg = EvaluateConfig(k=[2, 1], max_new_tokens=6, method="replay", batch_size=2)
+    result = evaluate.evaluate(verifier_model, draft, tokenizer, sets, cfg, AUX, log=lambda m: None)
+    assert hook_count(verifier_model) == before
+    assert [(r["eval_set"], r["k"]) for r in result["results"]] == [
+        ("a", 2), ("a", 1), ("b", 2), ("b", 1),
+    ]  # fmt: skip
+    assert all("per_prompt" not in r for r in result["results"])
+    first, second = result["per_prompt"]
+    greedy = evaluate.greedy_reference(verifier_model, prompts[0]["token_ids"], 6, set())
+    assert "tokens" not in first
+    assert first["text"] == tokenizer.decode(greedy, skip_special_tokens=True)
+    assert "tokens" not in second and "text" not in second
+    broken = [{"name": "c", "prompts": [{"id": "0"}]}]  # no token_ids: fails inside the loop
+    with pytest.raises(KeyError, match="token_ids"):
+        evaluate.evaluate(verifier_model, draft, tokenizer, broken, cfg, AUX, log=lambda m: None)
+    assert hook_count(verifier_model) == before
