@@ -1,4 +1,8 @@
+import gzip
+import itertools
 import json
+import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -493,3 +497,426 @@ def test_regeneration_reads_extra_train_files_after_data_trains(tmp_path):
     tiny.write_jsonl(extra, [{"messages": [{"role": "assistant", "content": "no user turn"}]}])
     with pytest.raises(UserError, match=r"empty\.jsonl, .*extra\.jsonl: no conversation with"):
         regenerate.read_sources(nothing, "error")
+
+
+def _pretty_array(records):
+    """A JSON array file's text with each record pretty-printed over several lines."""
+    return "[\n" + ",\n".join(json.dumps(r, indent=2) for r in records) + "\n]\n"
+
+
+def _start_lines(records):
+    """The line each record of _pretty_array(records) starts on."""
+    lines, line = [], 2
+    for r in records:
+        lines.append(line)
+        line += json.dumps(r, indent=2).count("\n") + 1
+    return lines
+
+
+# A template whose generation prompt holds tokens the rendered assistant turn lacks (like
+# Qwen3 with thinking off): render(turns[:j+1]) does not start with the prompt's render.
+THINKING_PROMPT_TEMPLATE = tiny.CHATML.replace(
+    "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think></think>\n'"
+)
+
+
+# ============================================================================================
+# tests/test_data.py -- reading records (conversations.read_records and its helpers)
+# ============================================================================================
+
+
+# Catches: a JSON-array record yielded with the line where it ends instead of where it
+# starts; a record cut off by the end of the file named by the line of the error (the
+# unterminated string) instead of the record's first line.
+def test_pretty_printed_json_array_records_are_named_by_their_first_line(tmp_path):
+    """In a JSON array whose records span several lines, each record's line number (used in
+    invalid-record errors and as the id of a record without one) is the line it starts on;
+    a record cut off mid-string is named by its first line, an invalid token by its own."""
+    records = tiny.conversations(3, fmt="openai")
+    text = _pretty_array(records)
+    starts = _start_lines(records)
+    assert all(b - a > 3 for a, b in itertools.pairwise(starts))  # records span many lines
+    path = tmp_path / "pretty.json"
+    path.write_text(text)
+    assert list(conversations.read_records(path)) == list(zip(starts, records, strict=True))
+
+    cut = text[: text.rindex('"content": "') + len('"content": "') + 3]  # inside the last record
+    path.write_text(cut)
+    assert cut.count("\n") + 1 > starts[2]  # the cut is on a later line than the record starts
+    with pytest.raises(UserError, match=rf"pretty\.json:{starts[2]}: the file ends inside"):
+        list(conversations.read_records(path))
+    kept = list(conversations.read_records(path, allow_truncated_json=True))
+    assert kept == list(zip(starts[:2], records[:2], strict=True))
+
+    bad_at = text.index('"role": "assistant"', text.index('"id": "c1"'))
+    path.write_text(
+        text[:bad_at] + '"role": assistant' + text[bad_at + len('"role": "assistant"') :]
+    )
+    bad_line = text[:bad_at].count("\n") + 1
+    assert bad_line > starts[1]
+    with pytest.raises(UserError, match=rf"pretty\.json:{bad_line}: invalid JSON"):
+        list(conversations.read_records(path))
+
+
+# Catches: the end-of-file check of the array reader raising even with allow_truncated_json
+# (a file cut right after a whole record, with no "]"); the "cut" test dropping its "error at the end of
+# the file" clause, so a file cut outside a string (after a value) is an invalid-JSON error
+# even with allow_truncated_json.
+def test_json_array_cut_between_records_or_outside_a_string_keeps_the_records_before(tmp_path):
+    """A JSON array cut off after a whole record (before or after its comma), or inside a
+    record but not inside a string, is an error naming the line without allow_truncated_json and, with it, keeps
+    every complete record before the cut."""
+    r0, r1 = tiny.conversations(2, fmt="openai")
+    path = tmp_path / "cut.json"
+    path.write_text(f"[\n{json.dumps(r0)},\n{json.dumps(r1)}\n")  # no "]"
+    with pytest.raises(UserError, match=r"cut\.json:4: JSON array is not closed .*"
+                       r"data\.train\.allow_truncated_json: true"):  # fmt: skip
+        list(conversations.read_records(path))
+    assert [r for _, r in conversations.read_records(path, allow_truncated_json=True)] == [r0, r1]
+    path.write_text(f"[\n{json.dumps(r0)},\n{json.dumps(r1)},\n")  # cut after a comma
+    with pytest.raises(UserError, match=r"cut\.json:4: the file ends inside"):
+        list(conversations.read_records(path))
+    assert [r for _, r in conversations.read_records(path, allow_truncated_json=True)] == [r0, r1]
+
+    path.write_text(f'[\n{json.dumps(r0)},\n{{"messages": [{{"role": "user", "content": "a"}}')
+    with pytest.raises(UserError, match=r"cut\.json:3: the file ends inside this record"):
+        list(conversations.read_records(path))
+    assert [r for _, r in conversations.read_records(path, allow_truncated_json=True)] == [r0]
+
+
+# Catches: JSONL split with str.splitlines(), which also breaks lines at U+2028, U+2029, NEL
+# and other separators that JSON strings may hold unescaped.
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """A JSONL line is ended by "\\n" only: a string holding U+2028, U+2029 or NEL (written
+    unescaped, as ensure_ascii=False does) reads back whole, with the right line numbers."""
+    records = [
+        {"messages": [{"role": "user", "content": "a\u2028b\u2029c\x85d"}]},
+        {"prompt": "plain"},
+    ]
+    path = tmp_path / "seps.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    assert "\u2028" in path.read_text()  # really unescaped
+    assert list(conversations.read_records(path)) == [(1, records[0]), (2, records[1])]
+
+
+# Catches: write_gzipped_jsonl stamping the current time into the gzip header (mtime=0
+# dropped), so that the same records give other bytes (and another sha256 stamp) each run.
+def test_gzipped_jsonl_round_trips_and_gives_the_same_bytes_at_any_time(tmp_path, monkeypatch):
+    """write_gzipped_jsonl: read_records reads the records back (non-ASCII text, U+2028
+    included), and the same records written at another time give the same bytes."""
+    records = [{"messages": [{"role": "user", "content": "café\u2028naïve"}]}, {"prompt": "x"}]
+    a, b = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz"
+    monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)
+    conversations.write_gzipped_jsonl(a, records)
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)
+    conversations.write_gzipped_jsonl(b, records)
+    assert a.read_bytes() == b.read_bytes()
+    assert gzip.decompress(a.read_bytes()).decode().count("\n") == 2
+    assert [r for _, r in conversations.read_records(a)] == records
+
+
+# Catches: train_sources dropping an entry's allow_truncated_json (always False).
+def test_train_sources_carry_each_entrys_own_options(tmp_path):
+    """Each training file gets its own config entry's allow_truncated_json and max_samples,
+    id prefix and config key; a truncated extra file that allows it keeps the records
+    before the cut while data.train's file stays strict."""
+    section = {
+        "train": {"max_samples": 5},
+        "extra_train": [{"allow_truncated_json": True}, {"max_samples": 2}],
+    }
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "c.jsonl"]
+    sources = conversations.train_sources(paths, section)
+    assert [
+        (s.path, s.allow_truncated_json, s.max_samples, s.id_prefix, s.key) for s in sources
+    ] == [
+        (paths[0], False, 5, "", "data.train"),
+        (paths[1], True, None, "extra_train[0]:", "data.extra_train[0]"),
+        (paths[2], False, 2, "extra_train[1]:", "data.extra_train[1]"),
+    ]
+    r0 = tiny.conversations(1, fmt="openai")[0]
+    paths[1].write_text(f'[{json.dumps(r0)}, {{"messages": [{{"role": "us')
+    s = sources[1]
+    assert [r for _, r in conversations.read_records(s.path, s.allow_truncated_json, s.key)] == [r0]
+
+
+# ============================================================================================
+# tests/test_data.py -- normalising conversations (conversations.normalize_conversation)
+# ============================================================================================
+
+
+# Catches: content parts joined with a space instead of nothing; a part of another type
+# (an image) accepted instead of refused.
+def test_openai_content_parts_join_their_text_and_refuse_other_parts():
+    """OpenAI content given as parts is the parts' text concatenated as is; a part that is
+    not text (e.g. an image) makes the record invalid."""
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    record = {"messages": [{"role": "user", "content": parts}]}
+    assert conversations.normalize_conversation(record) == [
+        {"role": "user", "content": "Hello, world"}
+    ]
+    image = {"type": "image_url", "image_url": {"url": "x.png"}}
+    with pytest.raises(conversations.InvalidRecord, match="non-text content part") as err:
+        conversations.normalize_conversation(
+            {"messages": [{"role": "user", "content": [parts[0], image]}]}
+        )
+    assert err.value.reason == "non-text content part"
+
+
+# Catches: roles matched case-sensitively (ShareGPT's "Human"/"GPT" refused); the "model"
+# alias (Gemini-style data) dropped.
+@pytest.mark.parametrize(
+    ("role", "mapped"),
+    [("Human", "user"), ("GPT", "assistant"), ("model", "assistant"), ("ChatGPT", "assistant"),
+     ("bard", "assistant"), ("bing", "assistant"), ("SYSTEM", "system"), ("tool", "tool")],
+)  # fmt: skip
+def test_role_aliases_map_in_any_case(role, mapped):
+    """Every role alias is recognised whatever its case and maps to user/assistant/system/tool."""
+    record = {"conversations": [{"from": role, "value": "text"}]}
+    assert conversations.normalize_conversation(record) == [{"role": mapped, "content": "text"}]
+
+
+# Catches: the "turn is not an object" check dropped (an AttributeError escapes instead of
+# an InvalidRecord, so data.on_invalid_record: skip no longer skips the record).
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ({"messages": ["hi"]}, "turn is not an object"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content is not a string"),
+        ({"messages": [{"role": "user"}]}, "turn lacks role/content (or from/value)"),
+    ],
+)
+def test_more_invalid_records_are_named_by_their_reason(record, reason):
+    """Malformed turns raise InvalidRecord with the stable reason they are counted under."""
+    with pytest.raises(conversations.InvalidRecord) as err:
+        conversations.normalize_conversation(record)
+    assert err.value.reason == reason
+
+
+# ============================================================================================
+# tests/test_data.py -- evaluation prompts (conversations.read_eval_prompts)
+# ============================================================================================
+
+
+# Catches: a prompt record without question_id/task_id/id given a constant id instead of its
+# line number; a conversation's prompt taken from its last user turn instead of its first.
+def test_eval_prompt_ids_default_to_the_line_and_conversations_give_their_first_user_turn(
+    tmp_path,
+):
+    """A prompt record with no id is named by its line (blank lines counted); a
+    conversation record's prompt is its first user turn, not a later one."""
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "follow-up"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"turns": ["a"]})
+        + "\n\n"
+        + json.dumps({"messages": chat})
+        + "\n"
+        + json.dumps({"prompt": "b"})
+        + "\n"
+    )
+    prompts = conversations.read_eval_prompts(path, None)
+    assert [(p["id"], p["text"]) for p in prompts] == [
+        ("1", "a"), ("3", "first question"), ("4", "b")
+    ]  # fmt: skip
+
+
+# ============================================================================================
+# tests/test_data.py -- tokenizing and preparing samples (data.py)
+# ============================================================================================
+
+
+# Catches: the prefix-stability check of supervised_spans dropped (the mask then silently
+# covers the wrong tokens); an InvalidRecord from tokenizing re-wrapped as "chat template
+# failed" instead of keeping its own reason.
+def test_a_template_that_is_not_prefix_stable_makes_records_invalid(tmp_path):
+    """With a template whose generation prompt is not the start of the rendered reply, no
+    loss mask can be derived: the record is invalid, counted under "chat template is not
+    prefix-stable", and fatal by default naming the file and line."""
+    tok = tiny.build_tokenizer(tmp_path / "tok", THINKING_PROMPT_TEMPLATE)
+    chat = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "yes"}]
+    with pytest.raises(conversations.InvalidRecord) as err:
+        data.tokenize_conversation(tok, chat)
+    assert err.value.reason == "chat template is not prefix-stable"
+    records = tiny.conversations(2, fmt="openai")
+    with pytest.raises(UserError, match=r"train\.jsonl:1: chat template is not prefix-stable"):
+        prepare(tok, tmp_path, records)
+    with pytest.raises(UserError, match=r"invalid: chat template is not prefix-stable: 2"):
+        prepare(tok, tmp_path, records, on_invalid_record="skip")
+
+
+ONE_TURN_CHAT = [
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "one two"},
+]
+
+
+# Catches: supervised_spans' stop_at compared with ">" instead of ">=" (a prompt of exactly
+# max_length tokens is rendered and reported as "no_supervised_tokens", whose remedy is
+# wrong, instead of "prompt_exceeds_max_length").
+def test_a_prompt_of_exactly_max_length_is_reported_as_filling_it(tokenizer, tmp_path):
+    """A prompt that alone fills max_length leaves no room for a supervised token: the
+    record is dropped as prompt_exceeds_max_length (with its remedy); one token more of
+    max_length gives a truncated sample with one supervised token."""
+    prompt = len(data.render_ids(tokenizer, ONE_TURN_CHAT[:1], add_generation_prompt=True))
+    with pytest.raises(UserError) as err:
+        prepare(tokenizer, tmp_path, [{"messages": ONE_TURN_CHAT}], max_length=prompt)
+    assert "dropped prompt_exceeds_max_length: 1" in str(err.value)
+    assert str(err.value).endswith("raise data.max_length (the prompts alone fill it)")
+    one_more = prepare(tokenizer, tmp_path, [{"messages": ONE_TURN_CHAT}], max_length=prompt + 1)
+    assert [len(t) for t in one_more.input_ids] == [prompt + 1]
+    assert one_more.loss_masks[0].tolist() == [0] * prompt + [1]
+    assert one_more.summary["truncated"] == 1
+
+
+# Catches: _fit_samples comparing the length with ">=" instead of ">" (a sample of exactly
+# max_length tokens truncated/dropped); the summary's "tokens" counting supervised tokens only.
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_a_sample_of_exactly_max_length_is_kept_whole(tokenizer, tmp_path, truncation):
+    """max_length is the longest sample kept whole: one that long is neither truncated nor
+    dropped; the summary counts all its tokens and, apart, the supervised ones."""
+    [(ids, mask)] = data.tokenize_conversation(tokenizer, ONE_TURN_CHAT)
+    prepared = prepare(
+        tokenizer,
+        tmp_path,
+        [{"messages": ONE_TURN_CHAT}],
+        max_length=len(ids),
+        truncation=truncation,
+    )
+    assert np.array_equal(prepared.input_ids[0], ids)
+    assert np.array_equal(prepared.loss_masks[0], mask)
+    assert prepared.summary["truncated"] == 0 and prepared.summary["dropped"] == {}
+    assert prepared.summary["tokens"] == len(ids)
+    assert prepared.summary["supervised_tokens"] == int(mask.sum()) < len(ids)
+
+
+# Catches: _fit_samples dropping samples with "<=" min_supervised_tokens instead of "<"
+# (the minimum not inclusive).
+def test_min_supervised_tokens_is_an_inclusive_minimum(tokenizer, tmp_path):
+    """A sample with exactly min_supervised_tokens supervised tokens is kept; one fewer than
+    asked for is dropped as no_supervised_tokens."""
+    [(_, mask)] = data.tokenize_conversation(tokenizer, ONE_TURN_CHAT)
+    n = int(mask.sum())
+    kept = prepare(tokenizer, tmp_path, [{"messages": ONE_TURN_CHAT}], min_supervised_tokens=n)
+    assert kept.summary["samples"] == 1 and kept.summary["supervised_tokens"] == n
+    with pytest.raises(UserError, match="dropped no_supervised_tokens: 1"):
+        prepare(tokenizer, tmp_path, [{"messages": ONE_TURN_CHAT}], min_supervised_tokens=n + 1)
+
+
+# Catches: _fit_samples' room check using ">" instead of ">=" (a record fanned out into one
+# sample per turn adds one sample more than max_samples allows).
+def test_max_samples_caps_the_samples_of_a_record_fanned_out_per_turn(tmp_path):
+    """With a template that rewrites history, a record gives one sample per assistant turn
+    (ids <id>#<turn>); max_samples counts those samples, even within one record."""
+    tok = tiny.build_tokenizer(tmp_path / "tok", tiny.THINK_TEMPLATE)
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>x</think> first"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "<think>y</think> second"},
+    ]
+    records = [{"id": "t", "messages": chat}, *tiny.conversations(2, fmt="openai")]
+    assert prepare(tok, tmp_path, records).ids == ["t#0", "t#1", "c0", "c1"]
+    assert prepare(tok, tmp_path, records, max_samples=1).ids == ["t#0"]
+    assert prepare(tok, tmp_path, records, max_samples=3).ids == ["t#0", "t#1", "c0"]
+
+
+# Catches: dedupe's "repeated_prompt" overriding a reason the record already had (a
+# conversation without a reply counted as a repeat instead of as no_assistant_turn).
+def test_dedupe_leaves_a_record_dropped_for_another_reason_under_that_reason(tokenizer, tmp_path):
+    """A record that repeats a kept conversation's first prompt but is dropped anyway (here:
+    no assistant reply) is counted under its own reason, not as repeated_prompt."""
+    records = tiny.conversations(2, fmt="openai")
+    records.append({"messages": records[0]["messages"][:1]})  # c0's prompt, no reply
+    prepared = prepare(tokenizer, tmp_path, records, dedupe=True)
+    assert prepared.ids == ["c0", "c1"]
+    assert prepared.summary["dropped"] == {"no_assistant_turn": 1}
+
+
+# Catches: dedupe remembering the first prompt of a record none of whose samples was kept
+# (all dropped as too_long), so that a later, usable conversation with that prompt is
+# dropped as a repeat of nothing.
+def test_dedupe_keeps_a_prompt_whose_earlier_conversation_gave_no_sample(tokenizer, tmp_path):
+    """With dedupe and truncation: drop, a conversation dropped as too_long keeps nothing,
+    so a later conversation with the same first prompt is kept."""
+    long_reply = " ".join(["the model writes a long answer"] * 20)
+    records = [
+        {"id": "long", "messages": [{"role": "user", "content": "Tell me a story"},
+                                    {"role": "assistant", "content": long_reply}]},
+        {"id": "short", "messages": [{"role": "user", "content": "tell me a  story"},
+                                     {"role": "assistant", "content": "Once."}]},
+    ]  # fmt: skip
+    prepared = prepare(tokenizer, tmp_path, records, dedupe=True, truncation="drop", max_length=48)
+    assert prepared.ids == ["short"]
+    assert prepared.summary["dropped"] == {"too_long": 1}
+
+
+# Catches: _no_samples_reason counting an assistant turn before the first user turn as a
+# reply (the record reported as prompt_exceeds_max_length, with the remedy "raise
+# data.max_length", instead of no_assistant_turn).
+def test_a_reply_before_the_first_user_turn_is_no_assistant_turn(tokenizer, tmp_path):
+    """Conversations whose only assistant turn precedes the first user turn give no sample
+    and are dropped as no_assistant_turn, with that reason's remedy."""
+    record = {"messages": [{"role": "assistant", "content": "Welcome!"},
+                           {"role": "user", "content": "hi"}]}  # fmt: skip
+    with pytest.raises(UserError) as err:
+        prepare(tokenizer, tmp_path, [record, record])
+    assert "dropped no_assistant_turn: 2)" in str(err.value)
+    assert str(err.value).endswith("give every conversation an assistant reply after a user turn")
+
+
+# Catches: the "no usable samples" error giving the remedy of the least common drop reason
+# (min instead of max).
+def test_no_samples_error_gives_the_remedy_of_the_commonest_reason(tokenizer, tmp_path):
+    """When every record was dropped for several reasons, the error lists them all and gives
+    the remedy of the reason most records were dropped for."""
+    long = tiny.conversations(1, fmt="openai")[0]
+    question = {"messages": [{"role": "user", "content": "only a question"}]}
+    with pytest.raises(UserError) as err:
+        prepare(tokenizer, tmp_path, [question, long, question], max_length=8,
+                      truncation="drop")  # fmt: skip
+    message = str(err.value)
+    assert "(3 records read; dropped no_assistant_turn: 2, too_long: 1)" in message
+    assert message.endswith(data.DROP_REMEDIES["no_assistant_turn"])
+
+
+# Catches: eos_ids not iterating a tuple (or set) of ids (TypeError from int(tuple));
+# until_eos cutting before the end-of-sequence id instead of after it.
+def test_eos_ids_and_until_eos():
+    """End-of-sequence ids come from ints, lists, tuples and sets (None skipped); a token
+    list is cut just after its first one, and to the limit first."""
+    assert data.eos_ids(2, [3, 4], (5,), {6}, None) == {2, 3, 4, 5, 6}
+    assert data.eos_ids(None) == set()
+    assert data.until_eos([7, 8, 3, 9, 3], {3, 4}) == [7, 8, 3]
+    assert data.until_eos([7, 8, 9], {3}) == [7, 8, 9]
+    assert data.until_eos([7, 8, 3, 9], {3}, limit=2) == [7, 8]
+
+
+# Catches: save_prepared's vocab check using ">" (a token id equal to vocab_size, one past
+# the last, written out of bounds: an IndexError instead of the UserError).
+def test_save_prepared_refuses_a_token_id_equal_to_the_vocab_size(tmp_path):
+    """Token ids run from 0 to vocab_size - 1: a supervised id equal to vocab_size is a
+    clear error naming the id and the vocab size; one below it is saved and counted."""
+    prepared = data.PreparedSamples(
+        ["a"], [np.array([1, 5], dtype=np.int64)], [np.array([0, 1], dtype=np.uint8)],
+        Counter({5: 1}), {},
+    )  # fmt: skip
+    with pytest.raises(UserError, match=r"token id 5 is outside the verifier vocab \(5\)"):
+        data.save_prepared(prepared, tmp_path / "s.safetensors", 5)
+    data.save_prepared(prepared, tmp_path / "s.safetensors", 6)
+    assert data.load_samples(tmp_path / "s.safetensors").token_freq.tolist() == [0] * 5 + [1]
+
+
+# Catches: prompt_token_ids rendering the user turn without the generation prompt (the
+# evaluation/regeneration prompt would lack the assistant header the verifier answers after).
+# Optional: that mutation is also caught, but only by the slow
+# tests/test_evaluate.py::test_speculative_output_equals_greedy_decoding; this pins it in ms.
+def test_prompt_token_ids_end_with_the_assistant_header(tokenizer):
+    """An eval prompt's token ids are its user turn rendered with the chat template and the
+    generation prompt, exactly what the verifier sees before its reply."""
+    ids = data.prompt_token_ids(tokenizer, "hi")
+    assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
