@@ -235,17 +235,17 @@ def _array_item_error(
     )
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any, turn: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidRecord("non-text content part", "only text is supported")
+                raise InvalidRecord("non-text content part", f"turn {turn}: only text is supported")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-    raise InvalidRecord("content is not a string", type(content).__name__)
+    raise InvalidRecord("content is not a string", f"turn {turn}: {type(content).__name__}")
 
 
 def normalize_conversation(record: Any) -> list[dict[str, str]]:
@@ -272,7 +272,7 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
             raise InvalidRecord(
                 "unknown role", f"turn {i}: {role!r}; known: {', '.join(sorted(ROLE_ALIASES))}"
             )
-        text = _content_text(content)
+        text = _content_text(content, i)
         if not text.strip():
             raise InvalidRecord("empty content", f"turn {i}, {mapped}")
         messages.append({"role": mapped, "content": text})

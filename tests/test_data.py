@@ -660,6 +660,7 @@ def test_openai_content_parts_join_their_text_and_refuse_other_parts():
             {"messages": [{"role": "user", "content": [parts[0], image]}]}
         )
     assert err.value.reason == "non-text content part"
+    assert str(err.value) == "non-text content part (turn 0: only text is supported)"
 
 
 # Catches: roles matched case-sensitively (ShareGPT's "Human"/"GPT" refused); the "model"
@@ -690,6 +691,14 @@ def test_more_invalid_records_are_named_by_their_reason(record, reason):
     with pytest.raises(conversations.InvalidRecord) as err:
         conversations.normalize_conversation(record)
     assert err.value.reason == reason
+
+
+def test_a_turns_content_error_names_the_turn():
+    """As the other turn errors do: which turn holds content that is not text."""
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]}
+    with pytest.raises(conversations.InvalidRecord) as err:
+        conversations.normalize_conversation(record)
+    assert str(err.value) == "content is not a string (turn 1: int)"
 
 
 # ============================================================================================
