@@ -186,22 +186,22 @@ def _json_array_records(
     first = True
     while True:
         pos = _SPACE.match(text, pos).end()
-        if pos >= len(text):
-            if allow_truncated_json:
-                return
-            raise UserError(
-                f"{path}:{line_of(len(text))}: JSON array is not closed (file truncated?); "
-                f"repair it or set {key}.allow_truncated_json: true"
-            )
-        if text[pos] == "]":
+        if text.startswith("]", pos):
             return
-        if not first:
+        if not first and pos < len(text):
             if text[pos] != ",":
                 raise UserError(
                     f"{path}:{line_of(pos)}: invalid JSON (expected ',' between array items); "
                     "add the missing comma or fix the record before it"
                 )
             pos = _SPACE.match(text, pos + 1).end()
+        if pos >= len(text):  # the file ends after a record or its comma
+            if allow_truncated_json:
+                return
+            raise UserError(
+                f"{path}:{line_of(len(text.rstrip()))}: JSON array is not closed (file "
+                f"truncated?); repair it or set {key}.allow_truncated_json: true"
+            )
         first = False
         start = pos
         try:

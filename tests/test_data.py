@@ -564,17 +564,18 @@ def test_pretty_printed_json_array_records_are_named_by_their_first_line(tmp_pat
 # even with allow_truncated_json.
 def test_json_array_cut_between_records_or_outside_a_string_keeps_the_records_before(tmp_path):
     """A JSON array cut off after a whole record (before or after its comma), or inside a
-    record but not inside a string, is an error naming the line without allow_truncated_json and, with it, keeps
-    every complete record before the cut."""
+    record but not inside a string, is an error naming the line without allow_truncated_json
+    (the last line with text, not the empty one after its newline) and, with it, keeps every
+    complete record before the cut."""
     r0, r1 = tiny.conversations(2, fmt="openai")
     path = tmp_path / "cut.json"
     path.write_text(f"[\n{json.dumps(r0)},\n{json.dumps(r1)}\n")  # no "]"
-    with pytest.raises(UserError, match=r"cut\.json:4: JSON array is not closed .*"
+    with pytest.raises(UserError, match=r"cut\.json:3: JSON array is not closed .*"
                        r"data\.train\.allow_truncated_json: true"):  # fmt: skip
         list(conversations.read_records(path))
     assert [r for _, r in conversations.read_records(path, allow_truncated_json=True)] == [r0, r1]
     path.write_text(f"[\n{json.dumps(r0)},\n{json.dumps(r1)},\n")  # cut after a comma
-    with pytest.raises(UserError, match=r"cut\.json:4: the file ends inside"):
+    with pytest.raises(UserError, match=r"cut\.json:3: JSON array is not closed"):
         list(conversations.read_records(path))
     assert [r for _, r in conversations.read_records(path, allow_truncated_json=True)] == [r0, r1]
 
