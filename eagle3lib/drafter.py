@@ -54,8 +54,17 @@ class Drafter:
         known = 0 if self.ids is None else min(len(self.ids), len(ids) - 1)
         if known and not torch.equal(self.ids[:known], ids[:known]):
             known = 0  # another sequence: start over
-        self.cache.crop(known)
+        self._keep(known)
         return known
+
+    def _keep(self, n: int) -> None:
+        """Drop the cached keys and values after the first ``n`` positions, by transformers'
+        ``crop`` with a negative count (positions to remove), as transformers 4 and 5 read it.
+        Its positive form (the length to keep) is deprecated in transformers 5, which
+        takes 0 as nothing to remove, so a new sequence kept the old one's cache."""
+        extra = self.cache.get_seq_length() - n
+        if extra > 0:
+            self.cache.crop(-extra)
 
     def _mask(self, queries: torch.Tensor, n: int, extra: int) -> dict[bool, torch.Tensor]:
         """Attention masks (per sliding-window flag) of query positions over the cache: the
@@ -132,7 +141,7 @@ class Drafter:
             x, logits = self._pass(nxt.view(1), x[-1:], last, n, step)
             nxt = self.to_verifier_ids(logits[-1].argmax())
             proposals.append(int(nxt))
-        self.cache.crop(n)  # the proposals' keys were for this position only
+        self._keep(n)  # the proposals' keys were for this position only
         return proposals
 
     @torch.no_grad()

@@ -143,6 +143,20 @@ def test_incremental_proposals_equal_speculators_forward(pipeline, request, laye
     assert drafter.propose(aux[:12], ids[:13], 3) == Drafter(draft).propose(aux[:12], ids[:13], 3)
 
 
+def test_a_new_sequence_without_reset_proposes_as_a_fresh_drafter(pipeline, draft):
+    """A sequence that differs from the cached one at its first token (another prompt, no
+    ``reset``): the whole cache is dropped, as for a fresh drafter (transformers' cache
+    ``crop(0)`` keeps everything, so dropping it all must not go through it)."""
+    aux, ids = sample_states(pipeline)
+    drafter = Drafter(draft)
+    drafter.propose(aux[:20], ids[:21], 3)
+    other_aux, other_ids = aux.flip(0), ids.flip(0)
+    assert drafter.propose(other_aux[:9], other_ids[:10], 3) == Drafter(draft).propose(
+        other_aux[:9], other_ids[:10], 3
+    )
+    assert drafter.cache.get_seq_length() == 9
+
+
 def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
     """One pass over the positions new since the last call, then one single-position pass per
     further proposal (was k(k+1)/2 passes over the whole context)."""
