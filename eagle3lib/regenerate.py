@@ -183,21 +183,24 @@ def regenerate_chunk(
     def ask(conversations: Iterable[int]) -> None:
         """Queue each conversation's next user turn (with the system turns before it), if
         one is left and its prompt leaves room for a reply within max_length."""
-        asked = []
+        asked, before = [], {}
         for i in conversations:
             turns = pending[i]
             if left[i] == 0:
                 continue
+            before[i] = len(histories[i])
             while turns and turns[0]["role"] == "system":
                 histories[i].append(turns.pop(0))
             if turns:
                 histories[i].append(turns.pop(0))
                 asked.append(i)
+            else:  # system turns that lead no user turn: left out, as after max_turns
+                del histories[i][before[i] :]
         for i, ids in zip(
             asked, render([histories[i] for i in asked]) if asked else [], strict=True
         ):
             if len(ids) >= max_length:  # the reply would be cut off by data.max_length anyway
-                histories[i].pop()
+                del histories[i][before[i] :]  # the turn and the system turns before it
             else:
                 prompts[i] = ids
 

@@ -3,6 +3,10 @@ import json
 import os
 import re
 import subprocess
+import sys
+import threading
+import time
+import types
 
 import pytest
 import tiny
@@ -795,3 +799,291 @@ def test_a_failed_request_is_raised_without_waiting_for_those_under_way():
     # the three last never sent (the thread freed by the failure may have taken one more)
     assert set(sent) <= {0, 1, 2}
     assert in_parallel(lambda item: [item[0]], 3)([[1]] * 4) == [[0], [1], [2], [3]]
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+# Catches: data.on_invalid_record's test inverted in read_conversations (an invalid record
+# skipped under "error" and raised under "skip").
+def test_regeneration_follows_on_invalid_record_for_an_invalid_conversation(tmp_path):
+    """An invalid record stops the regenerate job with its file and line and the key that
+    skips it; with data.on_invalid_record: skip the other conversations are read, their ids
+    kept."""
+    good = tiny.conversations(2, fmt="sharegpt")
+    path = tiny.write_jsonl(tmp_path / "c.jsonl", [good[0], {"text": "hi"}, good[1]])
+    with pytest.raises(
+        UserError, match=r"c\.jsonl:2: .*fix it or set data\.on_invalid_record: skip"
+    ):
+        rg.read_conversations(path, None, False, "error")
+    convs = rg.read_conversations(path, None, False, "skip")
+    assert [c["id"] for c in convs] == ["c0", "c1"]
+
+
+# Catches: the "nothing else left" guard of without_cut_character dropped (a text of one cut
+# character stored as an empty answer).
+def test_only_the_last_cut_character_is_dropped_and_never_the_whole_answer():
+    """One trailing U+FFFD (a character the token limit cut) goes, with the space before it;
+    an earlier one stays; a text that is nothing but the cut character is kept as it is."""
+    assert rg.without_cut_character("Done \ufffd") == "Done"
+    assert rg.without_cut_character("a\ufffd\ufffd") == "a\ufffd"
+    assert rg.without_cut_character("\ufffd") == "\ufffd"
+    assert rg.without_cut_character(" \ufffd") == " \ufffd"
+    assert rg.without_cut_character("plain") == "plain"
+
+
+# Catches: answer_text decoding with the special tokens kept (the end-of-turn token stored in
+# the answer's text), and answer_text not stripping the decoded text.
+def test_an_answer_is_stored_without_its_end_of_turn_token_or_surrounding_space(tokenizer):
+    """hf_generate's replies end with the end-of-turn token; the stored assistant turn is the
+    text before it, without the leading and trailing whitespace."""
+    ids = tokenizer("\nDone here ", add_special_tokens=False)["input_ids"]
+    assert rg.answer_text(tokenizer, [*ids, tokenizer.eos_token_id]) == "Done here"
+
+
+# Catches: a prompt of exactly max_length tokens answered (">=" made ">" in regenerate_chunk);
+# a conversation left without any answer written out (the filter on assistant turns dropped).
+def test_a_conversation_whose_first_prompt_fills_max_length_is_left_out():
+    """A prompt of max_length tokens leaves no room for a reply: the turn is not asked, and a
+    conversation left without an answer (only its system turn) is not written; one token
+    fewer is answered."""
+    turns = [{"role": "system", "content": "s"}, _user("a" * 7)]  # 2 + 8 = 10 tokens
+    convs = [{"id": "long", "turns": turns}, {"id": "short", "turns": [_user("b")]}]
+    out = rg.regenerate_chunk(convs, render, decode, fake_generate, max_length=10)
+    assert out == [
+        {"id": "short", "messages": [_user("b"), {"role": "assistant", "content": "r2"}]}
+    ]
+    out = rg.regenerate_chunk(convs, render, decode, fake_generate, max_length=11)
+    assert [c["id"] for c in out] == ["long", "short"]
+    assert out[0]["messages"] == [*turns, {"role": "assistant", "content": "r10"}]
+
+
+# Catches: only the first of several consecutive system turns moved into the history (the
+# "while" over leading system turns made an "if": the second system turn asked as a prompt).
+def test_consecutive_system_turns_all_precede_the_user_turn_they_lead():
+    turns = [
+        {"role": "system", "content": "s1"},
+        {"role": "system", "content": "s2"},
+        _user("hi"),
+    ]
+    calls = []
+
+    def counting(prompts):
+        calls.append(len(prompts))
+        return fake_generate(prompts)
+
+    out = rg.regenerate_chunk([{"id": "a", "turns": turns}], render, decode, counting, 1000)
+    assert out[0]["messages"] == [*turns, {"role": "assistant", "content": "r9"}]
+    assert calls == [1]  # one turn asked: the user's
+
+
+# Catches: regenerate not passing regenerate.max_turns to regenerate_chunk.
+def test_the_regenerate_job_answers_at_most_max_turns_turns(tmp_path):
+    """regenerate.max_turns reaches the chunks: the second user turn of a conversation is
+    neither asked nor written."""
+    convs = [{"id": "a", "turns": [_user("q0"), _user("q1")]}]
+    cfg = RegenerateConfig(chunk_size=4, max_turns=1)
+    calls = []
+
+    def counting(prompts):
+        calls.append(len(prompts))
+        return fake_generate(prompts)
+
+    args = (render, decode, cfg, 1000, tmp_path / "work", {"a": 1}, tmp_path / "out.jsonl")
+    rg.regenerate(convs, counting, *args, log=lambda m: None)
+    (record,) = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["messages"] == [_user("q0"), {"role": "assistant", "content": "r3"}]
+    assert calls == [1]
+
+
+# Catches: vllm_generate asking for another token limit (synthetic_max_tokens), temperature
+# and top_p swapped, and its requests sent one at a time instead of regenerate.concurrency.
+def test_vllm_answers_are_requested_with_the_regenerate_settings_concurrently(monkeypatch):
+    """Each answer request carries regenerate.max_new_tokens, temperature, top_p and seed;
+    regenerate.concurrency requests are under way together (the stand-in server answers a
+    request only once another has arrived); the replies come back in prompt order."""
+    from eagle3lib.serve import VllmServer
+
+    bodies, together = [], threading.Barrier(2, timeout=5)
+
+    class Server(VllmServer):
+        def __init__(self):
+            self.model, self.url = "m", "http://127.0.0.1:1"
+
+    def post(url, body):
+        together.wait()
+        bodies.append(body)
+        return {"choices": [{"token_ids": [len(body["prompt"])]}]}
+
+    monkeypatch.setattr("eagle3lib.serve.post_json", post)
+    cfg = RegenerateConfig(
+        max_new_tokens=6, temperature=0.7, top_p=0.9, seed=3, concurrency=2,
+        synthetic_max_tokens=2,
+    )  # fmt: skip
+    out = rg.vllm_generate(Server(), cfg)([[1], [1, 2], [1, 2, 3], [4] * 4])
+    assert out == [[1], [2], [3], [4]]
+    assert {(b["max_tokens"], b["temperature"], b["top_p"], b["seed"]) for b in bodies} == {
+        (6, 0.7, 0.9, 3)
+    }
+
+
+# Catches: synthetic prompts sampled with regenerate.top_p (or its temperature, or
+# max_new_tokens) instead of temperature 1, no nucleus cut, synthetic_max_tokens.
+def test_synthetic_prompts_sample_at_temperature_one_whatever_the_answer_settings():
+    cfg = RegenerateConfig(temperature=0.0, top_p=0.5, max_new_tokens=9, synthetic_max_tokens=3)
+    s = rg.sampling(cfg)
+    assert (s.temperature, s.top_p, s.max_new_tokens) == (1.0, 1.0, 3)
+    assert (cfg.temperature, cfg.top_p, cfg.max_new_tokens) == (0.0, 0.5, 9)  # not changed
+
+
+class _Template:
+    """A stand-in tokenizer: one id per character, a ChatML-like template that writes a BOS
+    text itself, and (as Llama 3's) a BOS id added where special tokens are asked for."""
+
+    eos_token_id = 0
+    name_or_path = ""
+
+    def apply_chat_template(self, messages, tokenize):
+        text = "^"
+        for m in messages:
+            text += f"<{m['role']}>{m['content']}</>"
+        return text
+
+    def __call__(self, text, add_special_tokens):
+        ids = [ord(c) for c in text]
+        return {"input_ids": [1, *ids] if add_special_tokens else ids}
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(i) for i in ids if i > 1)
+
+
+# Catches: user_turn_prefix wrapping a template error into the synthetic_system_prompts message
+# when no system turn was given (the "system is None: raise" re-raise dropped).
+def test_a_template_that_fails_without_a_system_turn_is_not_blamed_on_system_prompts():
+    class Broken(_Template):
+        def apply_chat_template(self, messages, tokenize):
+            raise ValueError("template error")
+
+    with pytest.raises(ValueError, match="template error"):
+        rg.user_turn_prefix(Broken())
+
+
+# Catches: the prefix encoded with add_special_tokens=True (a second BOS in front of the one
+# the template writes).
+def test_the_synthetic_prefix_is_the_templates_text_without_added_special_tokens():
+    prefix = rg.user_turn_prefix(_Template())
+    assert prefix == [ord(c) for c in "^<user>"]
+    under = rg.user_turn_prefix(_Template(), "Be brief.")
+    assert under == [ord(c) for c in "^<system>Be brief.</><user>"]
+
+
+# Catches: turn_ends ignoring the eos_token_id of the verifier's generation_config.json.
+def test_a_synthetic_prompt_ends_at_any_end_token_of_the_generation_config(tmp_path):
+    tok = _Template()
+    tok.eos_token_id, tok.name_or_path = 5, str(tmp_path)
+    assert rg.turn_ends(tok) == {5}  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    assert rg.turn_ends(tok) == {5, 7, 8}
+
+
+# Catches: synthesizer building its sampler for the narrowest prefix (min instead of max).
+def test_the_synthetic_sampler_is_built_when_run_for_the_widest_prefix():
+    """make_sampler is called only when the step runs, with the width of the longest prefix
+    (regenerate.compile pads every call to it); prompt i continues prefix i mod their number."""
+    widths, asked = [], []
+
+    def make_sampler(width):
+        widths.append(width)
+
+        def sample(prompts):
+            asked.extend(prompts)
+            return [[ord(c) for c in f"q{i}"] + [0] for i in range(len(prompts))]
+
+        return sample
+
+    cfg = RegenerateConfig(synthetic_prompts=3, synthetic_system_prompts=[None, "A longer one"])
+    synthesize = rg.synthesizer(make_sampler, _Template(), cfg, log=lambda m: None)
+    assert widths == []
+    kept = synthesize()
+    wide = [ord(c) for c in "^<system>A longer one</><user>"]
+    assert widths == [len(wide)]
+    assert asked == [[ord(c) for c in "^<user>"], wide, [ord(c) for c in "^<user>"]]
+    assert [(c["id"], c["turns"]) for c in kept] == [
+        (f"synthetic-{i}", [_user(f"q{i}")]) for i in range(3)
+    ]
+
+
+# Catches: interleave spreading the conversations among the synthetic ones (list order
+# swapped: on a tie the synthetic prompt would go first).
+def test_on_a_tie_a_training_conversation_precedes_a_synthetic_one():
+    assert rg.interleave(["a"], ["s"]) == ["a", "s"]
+    assert rg.interleave(["a", "b", "c"], ["s"]) == ["a", "b", "s", "c"]
+
+
+# Catches: head_geometry taking one key/value head where the config names none (a model
+# without num_key_value_heads has one per query head: no grouping).
+def test_head_geometry_of_configs_with_and_without_grouped_heads():
+    ns = types.SimpleNamespace
+    assert rg.head_geometry(ns(num_attention_heads=8, hidden_size=512)) == (1, 64)
+    gqa = ns(num_attention_heads=8, num_key_value_heads=2, head_dim=32, hidden_size=64)
+    assert rg.head_geometry(gqa) == (4, 32)
+    nested = ns(get_text_config=lambda: gqa)
+    assert rg.head_geometry(nested) == (4, 32)
+    assert rg.head_geometry(ns(hidden_size=64)) is None
+
+
+_WORKER = """
+import os, pathlib, sys, time
+out, share = pathlib.Path(sys.argv[1]), sys.argv[-1]
+if share == "0/2" and sys.argv[2] == "fail":
+    sys.exit(3)
+if sys.argv[2] == "fail":
+    time.sleep(20)
+(out / share.replace("/", "-")).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+"""
+
+
+# Catches: run_workers not giving each worker its share of the GPUs (CUDA_VISIBLE_DEVICES
+# left as inherited), and the worker argument numbered from 1 instead of 0.
+def test_each_worker_process_gets_its_index_and_its_share_of_the_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "inherited")
+    logs = []
+    rg.run_workers([sys.executable, "-c", _WORKER, str(tmp_path), "ok"], "0,1,2,3", 2, logs.append)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0-2": "0,1", "1-2": "2,3"}
+    assert logs == [
+        "regenerate: worker 1/2 started (GPUs: 0,1)",
+        "regenerate: worker 2/2 started (GPUs: 2,3)",
+    ]
+
+
+# Catches: run_workers ignoring a worker's failing exit status (the job would end "done" with
+# chunks missing, and wait for the other workers).
+def test_a_failed_worker_fails_the_job_and_stops_the_others(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"a worker failed \(exit status 3\)"):
+        rg.run_workers(
+            [sys.executable, "-c", _WORKER, str(tmp_path), "fail"], None, 2, lambda m: None
+        )
+    assert time.monotonic() - t0 < 15
+    assert list(tmp_path.iterdir()) == []  # worker 2 stopped before it wrote its file
+
+
+def test_a_conversation_ends_with_its_last_answer_however_its_turns_run_out():
+    """System turns after the last answer (the next user turn does not fit max_length, or the
+    source ends with them) are left out, as they are when max_turns stops the conversation:
+    the saved conversation ends with an assistant turn."""
+    turns = [
+        {"role": "user", "content": "q0"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "x" * 50},
+    ]
+    too_long = rg.regenerate_chunk([{"id": "a", "turns": turns}], render, decode, fake_generate, 30)
+    at_end = rg.regenerate_chunk(
+        [{"id": "a", "turns": turns[:2]}], render, decode, fake_generate, 1000
+    )
+    by_turns = rg.regenerate_chunk(
+        [{"id": "a", "turns": turns}], render, decode, fake_generate, 1000, max_turns=1
+    )
+    assert [m["role"] for m in too_long[0]["messages"]] == ["user", "assistant"]
+    assert too_long == at_end == by_turns
