@@ -1,10 +1,14 @@
+import errno
+import os
+import re
 import struct
+import threading
 
 import numpy as np
 import pytest
 import tiny
 import torch
-from conftest import assert_same_bytes
+from conftest import assert_same_bytes, wait_until
 
 from eagle3lib import config, data, hidden_states, shard_writer, shards
 from eagle3lib.config import ExtractConfig, PrepareConfig
@@ -640,3 +644,343 @@ def test_manifest_mismatch_of_each_key_is_refused(key, value):
     shards.check_manifest(manifest, dict(manifest), "m.json")
     with pytest.raises(UserError, match=f"m.json: shard was extracted with {key}="):
         shards.check_manifest(manifest, {**manifest, key: value}, "m.json")
+
+
+def open_fds() -> set[str]:
+    """The file descriptors this process holds now."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+# Catches: a fallocate failure other than "not supported" (a full disk) swallowed instead of
+# raised, the errno test inverted, the half-set-up writer's temp file left behind, and its file
+# descriptor left open.
+def test_writer_on_a_full_disk_names_the_shard_and_leaves_nothing(tmp_path, monkeypatch):
+    """A disk too small for the whole shard fails when the writer is made (its blocks are
+    reserved up front), naming the file and the size; no temp file and no open descriptor
+    stay behind."""
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shard_writer.os, "posix_fallocate", full)
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    size = len(layout.header({"format": "test"})) + layout.data_bytes()
+    before = open_fds()
+    message = (
+        rf"s\.safetensors: cannot reserve {size:,} bytes for the shard \(No space left on "
+        r"device\); free disk space"
+    )
+    # the error is kept (as a caller's handler or a traceback printer keeps it): the writer
+    # removes its temp file itself, not only when the half-made writer is garbage collected
+    with pytest.raises(UserError, match=message) as caught:
+        shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    assert list(tmp_path.iterdir()) == []
+    assert open_fds() == before
+    del caught
+
+
+# Catches: the errno test inverted (a file system without fallocate refused instead of
+# falling back to ftruncate).
+def test_writer_falls_back_where_fallocate_is_not_supported(tmp_path, monkeypatch):
+    """On a file system without posix_fallocate (EOPNOTSUPP) the shard is still written whole,
+    with the size its header describes and the sha256 close() returns."""
+    calls = []
+
+    def unsupported(fd, offset, length):
+        calls.append(length)
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(shard_writer.os, "posix_fallocate", unsupported)
+    path = tmp_path / "s.safetensors"
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(path, layout, {"format": "test"})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    writer.put_states(1, torch.full((2, 2, 4), 2.0))
+    digest = writer.close(np.arange(5), np.ones(5, np.uint8))
+    assert calls == [path.stat().st_size]
+    assert digest == sha256_file(path)
+    assert torch.equal(shards.open_shard(path).states(1, torch.float32), torch.full((2, 2, 4), 2.0))
+
+
+# Catches: an error of the background writer thread dropped (close then fails only on the
+# row count, or not at all), put_batch not raising the writer's pending error, close not
+# raising it, and close's failure leaving the temp file.
+def test_a_failed_background_write_is_raised_by_the_next_put_and_by_close(tmp_path, monkeypatch):
+    """A write that fails on the writer thread (an I/O error) is raised, as itself, by the next
+    put_batch and by close; the half-written shard is removed."""
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, pos):
+        if threading.current_thread().name == "shard-writer":
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, pos)
+
+    monkeypatch.setattr(shard_writer.os, "pwrite", pwrite)
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    assert wait_until(lambda: writer._error is not None, timeout=10)  # the thread has failed
+    with pytest.raises(OSError, match="Input/output error"):
+        writer.put_states(1, torch.ones(2, 2, 4))
+    with pytest.raises(OSError, match="Input/output error"):
+        writer.close(np.arange(5), np.ones(5, np.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+# Catches: the periodic fdatasync dropped, its byte counter never reset (a sync after every
+# batch once past the threshold), and the threshold compared with > instead of >=.
+def test_writer_syncs_every_sync_every_bytes(tmp_path, monkeypatch):
+    """With sync_every of 48 bytes (3 rows of 16), the writer fdatasyncs once the unsynced
+    bytes reach 48 and starts counting again: 48 (sync), 32, 32+32 (sync): two syncs."""
+    synced = []
+    monkeypatch.setattr(shard_writer.os, "fdatasync", lambda fd: synced.append(fd))
+    layout = shards.ShardLayout((3, 2, 2), 2, 4)
+    assert layout.row_bytes == 16
+    writer = shard_writer.ShardWriter(
+        tmp_path / "s.safetensors", layout, {"format": "test"}, sync_every=48
+    )
+    for i, n in enumerate(layout.lengths):
+        writer.put_states(i, torch.ones(n, 2, 4))
+    writer.close(np.arange(7), np.ones(7, np.uint8))
+    assert len(synced) == 2
+
+
+# Catches: the non-finite check reading padding positions (positions < length compared with
+# <=, or the mask of real positions dropped): a sample rejected for its pad's values.
+def test_non_finite_padding_does_not_reject_a_sample(tmp_path):
+    """put_batch takes right-padded batches: a NaN in a padding position (past a sample's
+    length) is not a non-finite state; the sample stays valid and only its real rows are
+    stored."""
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    states = torch.ones(2, 3, 2, 4)
+    states[1] = 2.0
+    states[1, 2] = float("nan")  # sample 1 has 2 tokens: its third row is padding
+    writer.put_batch([0, 1], states, [3, 2])
+    writer.close(np.arange(5), np.ones(5, np.uint8))
+    shard = shards.open_shard(tmp_path / "s.safetensors")
+    assert shard.valid.tolist() == [1, 1]
+    assert torch.equal(shard.states(1, torch.float32), torch.full((2, 2, 4), 2.0))
+    assert torch.equal(shard.states(0, torch.float32), torch.ones(3, 2, 4))
+
+
+# Catches: the layout-order check looking only at a batch's first sample, or dropped.
+def test_writer_checks_the_order_of_every_sample_of_a_batch(tmp_path):
+    """Every sample of a batch must come in layout order, not just the first: a batch [0, 2]
+    where the layout expects 0, 1, 2 is refused naming sample 2 and the expected 1."""
+    layout = shards.ShardLayout((3, 2, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {})
+    with pytest.raises(ValueError, match="sample 2 put where the layout expects 1"):
+        writer.put_batch([0, 2], torch.ones(2, 3, 2, 4), [3, 2])
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+# Catches: close not checking that every state row was put (a shard with zero states for the
+# samples never put), and a failing close leaving its temp file behind.
+def test_close_before_every_sample_was_put_is_refused_and_leaves_nothing(tmp_path):
+    """Closing a writer that got 3 of its layout's 5 state rows raises, names the counts, and
+    removes the half-written shard."""
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    with pytest.raises(ValueError, match="ShardWriter: 3 of 5 state rows were put"):
+        writer.close(np.arange(5), np.ones(5, np.uint8))
+    assert list(tmp_path.iterdir()) == []
+
+
+# Catches: extract_samples not aborting the shard writer when a forward fails (the temp file,
+# with its whole shard's disk space reserved, stays behind until a rerun).
+def test_a_failed_forward_leaves_no_half_written_shard(
+    extracted, verifier_model, tmp_path, monkeypatch
+):
+    """A forward that fails mid-extraction (after the shard writer reserved the file) raises
+    its own error and leaves nothing in the output folder."""
+    _, samples, _, cfg, _ = extracted
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(hidden_states, "forward_batch", broken)
+    rows = [samples.sample(i) for i in range(4)]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        hidden_states.extract_samples(
+            verifier_model,
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            config.resolve_aux_layers(None, verifier_model.config.num_hidden_layers),
+            cfg,
+            tmp_path / "shard.safetensors",
+            {"format": "test"},
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+# Catches: the manifest's rejected ids taken at the sample's index within the shard instead of
+# within the whole data set (the shard's start not added), and the rejected count in the
+# job's stats (which scripts/extract.py warns about) not counted.
+def test_rejected_samples_are_named_by_their_data_set_id(
+    extracted, verifier_record, tmp_path, monkeypatch
+):
+    """A sample whose states are non-finite is rejected by its own id (shard 1 starts at
+    sample 4): in the manifest, in the shard's valid flags, and counted in the stats."""
+    tmp, samples, ids, cfg, _ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    lengths = manifest["token_counts"]
+    first = hidden_states.length_batches(lengths, cfg.batch_tokens)[0][0]  # computed first
+    real_forward = hidden_states.forward_batch
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        states, n = real_forward(*args, **kwargs)
+        if not calls:  # the first batch's first sample (its first row is never padding)
+            states = states.clone()
+            states[0, 0, 0, 0] = float("nan")
+        calls.append(1)
+        return states, n
+
+    monkeypatch.setattr(hidden_states, "forward_batch", poisoned)
+    path = tmp_path / "s.safetensors"
+    stats = hidden_states.extract_shard(
+        samples, ids, 1, cfg, verifier_record, path, tmp_path / "s.json"
+    )
+    start = manifest["sample_range"][0]
+    assert start == 4
+    got = read_json(tmp_path / "s.json")
+    assert got["rejected"] == [{"id": ids[start + first], "reason": "non-finite hidden states"}]
+    assert stats["rejected"] == 1
+    valid = [1] * len(lengths)
+    valid[first] = 0
+    assert shards.open_shard(path).valid.tolist() == valid
+
+
+# Catches: extract_shard no longer removing what a killed earlier attempt left (temp siblings
+# of the shard and the manifest, which may hold a whole shard's reserved disk space).
+def test_extraction_removes_a_killed_attempts_temp_files(extracted, verifier_record, tmp_path):
+    """.<name>.tmp-* siblings of the shard and of its manifest are deleted; other files in the
+    folder are not."""
+    _, samples, ids, cfg, _ = extracted
+    stale = [tmp_path / ".s.safetensors.tmp-abc123", tmp_path / ".s.json.tmp-def456"]
+    for path in stale:
+        path.write_bytes(b"\0" * 1024)
+    (tmp_path / "keep.txt").write_text("mine")
+    hidden_states.extract_shard(
+        samples, ids, 1, cfg, verifier_record, tmp_path / "s.safetensors", tmp_path / "s.json"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "s.json", "s.safetensors"]
+
+
+# Catches: the empty-shard check comparing stop < start (an empty shard let through).
+def test_more_shards_than_samples_is_a_config_error():
+    """3 samples in 4 shards leave shard 0 empty (the slice [0, 0)): a config error naming
+    the key and the most shards that would do."""
+    cfg = ExtractConfig(shards=4)
+    message = (
+        r"config key extract.shards: 4 shards for 3 samples leaves shard 0 empty; use at most 3 "
+        r"shards"
+    )
+    with pytest.raises(UserError, match=message):
+        hidden_states._shard_samples([0, 1, 2], 0, cfg)
+    assert hidden_states._shard_samples([0, 1, 2], 3, cfg) == (2, 3)
+
+
+# Catches: the padded-token count taken from a batch's shortest sample instead of its longest
+# (the batch's padded width).
+def test_padded_tokens_are_each_batch_width_times_rows_less_the_real_tokens(extracted):
+    """padded_tokens in the stats: per batch, its rows times its longest sample, less the real
+    tokens."""
+    tmp, _, _, cfg, stats = extracted
+    lengths = read_json(tmp / "shard-1.json")["token_counts"]
+    batches = hidden_states.length_batches(lengths, cfg.batch_tokens)
+    want = sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in batches)
+    assert want > 0  # the batches really are padded
+    assert stats["padded_tokens"] == want
+
+
+# Catches: the progress line at the end (all tokens done) no longer printed, and a line printed
+# for every batch regardless of log_every.
+def test_progress_prints_at_most_every_log_every_and_always_at_the_end(capsys):
+    """A slow log interval prints only the final 100 % line; an interval of 0 prints after
+    every item, with the running token count and percentage."""
+    items = [("a", 2), ("b", 3)]
+    assert list(hidden_states.iter_progress(items, 5, log_every=3600)) == ["a", "b"]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"extract: 5/5 tokens \(100%\) \d+ tok/s", lines[0])
+    list(hidden_states.iter_progress(items, 5, log_every=0))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" tok")[0] for line in lines] == [
+        "extract: 2/5",
+        "extract: 5/5",
+    ]
+    assert "(40%)" in lines[0]
+
+
+# Catches: Capture.stacked keeping its references to the captured states (a batch's
+# activations held until the next forward).
+def test_capture_drops_the_states_it_stacked(verifier_model, tokenizer):
+    """After stacked() the capture holds no states: a forward's activations are not kept
+    alive by the hooks until the next one."""
+    capture = hidden_states.Capture(decoder_layers(verifier_model), [2, 4, 5])
+    try:
+        ids = tokenizer("hello there, how are you")["input_ids"]
+        [states] = hidden_states.forward_states(
+            verifier_model.get_decoder(), capture, [np.array(ids)], torch.device("cpu")
+        )
+        assert states.shape == (len(ids), 4, 64)
+        assert capture.states == {}
+    finally:
+        capture.remove()
+
+
+# Catches: abort closing the file descriptor without first stopping the writer and hash threads
+# (a queued batch could then be written to whatever file reuses that descriptor number).
+def test_abort_stops_the_writer_threads(tmp_path):
+    """abort() ends the writer's background threads (after they finish what was queued)
+    before it closes the file: none of them outlives it."""
+    before = set(threading.enumerate())
+    layout = shards.ShardLayout((3, 2), 2, 4)
+    writer = shard_writer.ShardWriter(tmp_path / "s.safetensors", layout, {"format": "test"})
+    writer.put_states(0, torch.ones(3, 2, 4))
+    writer.abort()
+    assert [t.name for t in set(threading.enumerate()) - before] == []
+    assert list(tmp_path.iterdir()) == []
+
+
+# Catches: the extraction backend left out of the shard's spec (manifest and input hash), and
+# the compute dtype recorded as torch's repr ("torch.float32").
+def test_manifest_records_what_the_states_depend_on_and_hashes_it(extracted):
+    """The manifest names the compute dtype, storage dtype and backend as plain strings, and its
+    input_hash covers the tokens, masks, offsets and that whole spec."""
+    tmp, samples, _, _, _ = extracted
+    manifest = read_json(tmp / "shard-1.json")
+    assert manifest["compute_dtype"] == "float32"  # auto on a CPU
+    assert manifest["state_dtype"] == "bfloat16" and manifest["backend"] == "hf"
+    assert manifest["compiled"] is False and manifest["format"] == shards.SHARD_FORMAT
+    start, stop = manifest["sample_range"]
+    tokens = [samples.sample(i) for i in range(start, stop)]
+    ids = np.concatenate([t[0] for t in tokens])
+    masks = np.concatenate([t[1] for t in tokens])
+    offsets = np.concatenate([[0], np.cumsum(manifest["token_counts"])]).astype(np.int64)
+    keys = ("verifier", "layer_ids", "hidden_size", "compute_dtype", "state_dtype", "backend")
+    spec = {k: manifest[k] for k in keys}
+    assert manifest["input_hash"] == shards.input_hash(ids, masks, offsets, spec)
+
+
+# Catches: the manifest's "compiled" defaulting to True for a backend whose stats do not say
+# (the vLLM backend's), and rejected ids taken without the shard's start.
+def test_manifest_of_a_backend_without_compile_stats_says_not_compiled(tmp_path):
+    """_manifest on stats without "compiled" (what extract_with_vllm returns) records
+    compiled: false; a rejected sample (valid 0) of a shard starting at sample 2 is named by
+    its data set id; "valid" and "sha256" are taken out of the stats."""
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(b"\0" * 24)
+    stats = {"tokens": 7, "valid": np.array([1, 0, 1], np.uint8), "sha256": "ab" * 32}
+    manifest = hidden_states._manifest(
+        1, ExtractConfig(shards=2), (2, 5), ["a", "b", "c", "d", "e"], [3, 2, 2], stats,
+        {"backend": "vllm"}, "digest", path,
+    )  # fmt: skip
+    assert manifest["compiled"] is False and manifest["backend"] == "vllm"
+    assert manifest["rejected"] == [{"id": "d", "reason": "non-finite hidden states"}]
+    assert manifest["sample_ids"] == ["c", "d", "e"] and manifest["sample_range"] == [2, 5]
+    assert manifest["file"] == {"name": "s.safetensors", "bytes": 24, "sha256": "ab" * 32}
+    assert stats == {"tokens": 7}
