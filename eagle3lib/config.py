@@ -31,10 +31,15 @@ def resolve_package_path(spec: str, key: str = "path") -> Path:
     if not module or not relative:
         raise UserError(f"config key {key}: {spec!r} must look like package:<module>/<file>")
     found = importlib.util.find_spec(module)
-    if found is None or not found.submodule_search_locations:
+    if found is None:
         raise UserError(
             f"config key {key}: Python package {module!r} is not installed; "
             f"install it (see README) or point {key} at a file"
+        )
+    if not found.submodule_search_locations:
+        raise UserError(
+            f"config key {key}: {module!r} is a Python module, not a package holding data "
+            f"files; name a package or point {key} at a file"
         )
     path = Path(next(iter(found.submodule_search_locations))) / relative
     if not path.exists():
