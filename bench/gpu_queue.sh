@@ -15,9 +15,8 @@
 # QUEUE is a file of lines "NAME COMMAND...", run by bash from /tmp/repo; "#" starts a comment.
 # NAME's output goes to /tmp/gpuq/NAME.log, its exit status to NAME.rc; a command that fails
 # does not stop the rest. collect takes the bench_*.json and profile-*.txt files of the folder
-# after --out, and
-# of a workflow run (--run RUN) its jobs' logs, the train job's summary.json and metrics.jsonl
-# and workflow_gpu.py's JSON; after each command the other files under /tmp/o,
+# after --out, and of a workflow run (--run RUN) its jobs' logs, the train job's summary.json
+# and metrics.jsonl and workflow_gpu.py's JSON; after each command the other files under /tmp/o,
 # workflow_gpu.py's default verifier folder and the runs' shards and training state are
 # deleted (the disk for the next command; the training metrics first move to the run's train/
 # folder).
