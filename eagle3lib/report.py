@@ -27,6 +27,10 @@ def gpu_memory_entry(r: dict[str, Any]) -> dict[str, Any]:
     }
     if not before.get("available"):
         entry.update(available=False, reason=before.get("reason"))
+    elif not after.get("available"):
+        # NVML answered before the job but not after it (a driver that lost the GPU): no
+        # readings to compare, and the reason says when it was lost
+        entry.update(available=False, reason=f"after the job: {after.get('reason')}")
     else:
         entry.update(
             available=True,

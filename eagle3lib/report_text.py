@@ -358,7 +358,7 @@ def headline_table(summary: dict[str, Any]) -> str:
     ]
     row = [
         summary["k"],
-        f"{summary['acceptance_length']:.4f}",
+        fmt(summary["acceptance_length"], 4),
         positions(summary["per_position_acceptance"]),
         acc["prompts"],
         acc["steps"],
