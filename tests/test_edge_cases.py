@@ -225,6 +225,14 @@ def _eval_fifo(env):
     env.config["data"]["eval"]["path"] = str(env.dir / "prompts.fifo")
 
 
+def _prepared(samples: int):
+    def setup(env):
+        env.set("extract.shards", 1)
+        env.samples = samples
+
+    return setup
+
+
 def _shards_for_prepared(env):
     env.set("extract.shards", 4)
     env.samples = 3
@@ -433,6 +441,19 @@ CASES = [
     Case("eval-path-is-a-fifo", _eval_fifo,
          "config key data.eval.path: '{dir}/prompts.fifo' is not a regular file",
          "point it at a JSON or JSONL file"),
+    # Catches: M38 (samples < 2 -> samples < 1), M39 (the "fewer than 2 samples" check removed)
+    Case("one-prepared-sample", _prepared(1),
+         "data.train.path: prepare made 1 training sample(s), training needs at least 2",
+         "add conversations or raise data.train.max_samples"),
+    # Catches: M44 (% 128 -> % 64: 192 is a multiple of 64, not of 128)
+    Case("flex-attention-block-size-a-multiple-of-64", _set(train__gpus=1, train__total_seq_len=192),
+         "config key train.total_seq_len: 192 is not a multiple of 128", "use e.g. 256"),
+    # Catches: M63 (extract.backend: vllm no longer counts as running vLLM), M49 (jobs_per_gpu
+    # 1 with vllm refused)
+    Case("vllm-max-model-len-beyond-the-context-for-extract",
+         _set(extract__backend="vllm", extract__gpus_per_job=1, vllm__max_model_len=4096),
+         "config key vllm.max_model_len: 4096 is longer than the verifier's context",
+         "use at most 2048, or null"),
 ]  # fmt: skip
 
 
@@ -703,3 +724,263 @@ def test_validate_judges_the_summary_again_not_only_its_list_of_problems(
         "rerun, snakemake makes it again"
     )
     assert not out.exists()
+
+
+# ---- preflight's settings checks, called directly ---------------------------------------------
+
+# config.yaml's verifier, SmolLM2-135M-Instruct: 30 layers, hidden 576, vocab 49152, context 8192
+FACTS = preflight.VerifierFacts("model/config.json", 30, 576, 49152, 8192)
+
+
+def settings(**dotted) -> dict:
+    """config.yaml with ``dotted`` keys (section__key) set, schema-valid, defaults filled (as
+    rules/common.smk hands it to preflight)."""
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for key, value in dotted.items():
+        section, name = key.split("__", 1)
+        config.setdefault(section, {})[name] = value
+    assert config_errors(config, SCHEMA) == []
+    validate(config, schema=str(SCHEMA), set_default=True)
+    return config
+
+
+# ---- settings at their limits are no problem ---------------------------------------------------
+
+LIMITS = {
+    # Catches: M31 (k <= max_new_tokens -> k < max_new_tokens)
+    "k-equal-to-max-new-tokens": (dict(evaluate__k=[2, 4], evaluate__max_new_tokens=4), None),
+    # Catches: M36 (shards > max_samples -> >=)
+    "shards-equal-to-max-samples": (
+        dict(extract__shards=3, data__train={"path": "t.jsonl", "max_samples": 3}), None),
+    # Catches: M37 (shards > samples -> >=)
+    "shards-equal-to-prepared-samples": (dict(extract__shards=2), 2),
+    # Catches: M34 (an uncapped extra_train file taken as adding 0 samples)
+    "an-uncapped-extra-train-file": (
+        dict(extract__shards=4, data__train={"path": "t.jsonl", "max_samples": 3},
+             data__extra_train=[{"path": "u.jsonl"}]), None),
+    # Catches: M40 (train.gpus 1 taken for CPU training), M41 (fused loss refused on a GPU)
+    "flex-attention-and-fused-loss-on-a-gpu": (
+        dict(train__gpus=1, train__attention="simple_flex_attention", train__loss="fused"), None),
+    # Catches: M42 (the 128-multiple demanded of CPU training, where auto is sdpa)
+    "any-total-seq-len-on-a-cpu-train-job": (dict(train__total_seq_len=200), None),
+    # Catches: M46 (regenerate's workers checked while it is off), M59 (its max_new_tokens
+    # checked against the context while off), M64 (its vllm backend counted while off)
+    "regenerate-off-ignores-its-settings": (
+        dict(regenerate__gpus=3, regenerate__workers=2, regenerate__synthetic_prompts=100,
+             regenerate__max_new_tokens=8192, regenerate__backend="vllm",
+             vllm__max_model_len=16384, serve_check__enabled=False), None),
+    # Catches: M47 (gpus % workers -> workers % gpus)
+    "regenerate-workers-dividing-its-gpus": (
+        dict(regenerate__enabled=True, regenerate__gpus=4, regenerate__workers=2), None),
+    # Catches: M48 (workers > 1 -> >= 1 for synthetic prompts)
+    "synthetic-prompts-with-one-worker": (
+        dict(regenerate__enabled=True, regenerate__synthetic_prompts=100), None),
+    # Catches: M49 (jobs_per_gpu == 1 or backend != vllm -> and), M61 (max_model_len equal to
+    # the context refused)
+    "vllm-extract-one-job-per-gpu-at-the-context": (
+        dict(extract__backend="vllm", extract__gpus_per_job=1, vllm__max_model_len=8192), None),
+    # Catches: M57 (draft_vocab_size equal to the vocab refused), M58 (max_length equal to the
+    # context refused)
+    "draft-vocab-and-max-length-equal-to-the-verifiers": (
+        dict(train__draft_vocab_size=49152, data__max_length=8192,
+             evaluate__max_new_tokens=8191), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LIMITS)
+def test_settings_at_their_limits_are_no_problem(name):
+    dotted, samples = LIMITS[name]
+    assert preflight.setting_problems(settings(**dotted), FACTS, samples) == []
+
+
+# ---- the exact lines, where a table row only finds a part ------------------------------------
+
+ERRORS = {
+    # Catches: M54 (the "(verifier: <source>)" ending of a message about the verifier changed)
+    "draft-vocab-one-beyond": (
+        dict(train__draft_vocab_size=49153),
+        "config key train.draft_vocab_size: 49153 is larger than the verifier vocab (49152); use "
+        "at most 49152 (verifier: model/config.json)"),
+    # Catches: M44 (exact message, with the resolved attention and the next multiple)
+    "total-seq-len-192-on-a-gpu": (
+        dict(train__gpus=1, train__total_seq_len=192),
+        "config key train.total_seq_len: 192 is not a multiple of 128, which flex attention's "
+        "block mask needs (train.attention: auto on a GPU); use e.g. 256, or train.attention: sdpa"),
+    # Catches: M63 (extract.backend vllm alone runs vLLM), M49, M54
+    "vllm-extract-beyond-the-context": (
+        dict(extract__backend="vllm", extract__gpus_per_job=1, serve_check__enabled=False,
+             vllm__max_model_len=16384),
+        "config key vllm.max_model_len: 16384 is longer than the verifier's context "
+        "(max_position_embeddings 8192), which vLLM refuses; use at most 8192, or null "
+        "(verifier: model/config.json)"),
+    # the regenerate job's vLLM server, regeneration on (the positive side of M64)
+    "vllm-regenerate-beyond-the-context": (
+        dict(regenerate__enabled=True, regenerate__backend="vllm", serve_check__enabled=False,
+             vllm__max_model_len=16384),
+        "config key vllm.max_model_len: 16384 is longer than the verifier's context "
+        "(max_position_embeddings 8192), which vLLM refuses; use at most 8192, or null "
+        "(verifier: model/config.json)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_a_setting_problem_is_one_exact_line(name):
+    dotted, line = ERRORS[name]
+    assert preflight.setting_problems(settings(**dotted), FACTS) == [line]
+
+
+# Catches: M37, M38, M39 (exact line; the table row above checks it through plan)
+def test_fewer_than_two_prepared_samples_is_a_problem():
+    config = settings(extract__shards=1)
+    assert preflight.setting_problems(config, None, samples=1) == [
+        "data.train.path: prepare made 1 training sample(s), training needs at least 2; add "
+        "conversations or raise data.train.max_samples"
+    ]
+    assert preflight.setting_problems(config, None, samples=2) == []
+
+
+# ---- the verifier's facts ---------------------------------------------------------------------
+
+
+# Catches: M01 (a bool taken for an int), M02 (text_config ignored), M03 (only the first name
+# of each fact read), M04 (a missing fact read as 0, not unknown), M71/M72 (GPT-2 style names
+# n_positions / n_layer dropped)
+def test_facts_of_a_config_json_are_its_language_models_in_any_common_spelling():
+    facts = preflight.facts_from_config
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "vocab_size": 50257,
+            "n_positions": 1024}  # fmt: skip
+    assert facts(gpt2, "c.json") == preflight.VerifierFacts("c.json", 12, 768, 50257, 1024)
+    t5 = {"model_type": "t5", "num_layers": 6, "d_model": 512, "vocab_size": 32128,
+          "max_seq_len": 512}  # fmt: skip
+    assert facts(t5, "c.json") == preflight.VerifierFacts("c.json", 6, 512, 32128, 512)
+    nested = {
+        "model_type": "qwen3_vl",
+        "vision_config": {"num_hidden_layers": 27, "hidden_size": 1152},
+        "text_config": {"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936,
+                        "max_position_embeddings": 262144},
+    }  # fmt: skip
+    assert facts(nested, "c.json") == preflight.VerifierFacts("c.json", 36, 4096, 151936, 262144)
+    odd = {"model_type": "x", "num_hidden_layers": True, "hidden_size": "64", "vocab_size": 4.0}
+    assert facts(odd, "c.json") == preflight.VerifierFacts("c.json")  # nothing known
+
+
+# Catches: M05 (a record's non-integer values taken as facts)
+def test_facts_of_the_verifier_record_are_its_integers_only():
+    record = {"kind": "hf", "num_hidden_layers": 8, "hidden_size": "64", "vocab_size": None,
+              "max_position_embeddings": 2048}  # fmt: skip
+    assert preflight.facts_from_record(record, "v.json") == preflight.VerifierFacts(
+        "v.json", 8, None, None, 2048
+    )
+
+
+# Catches: M06 (verifier.json never read), M07 (a cut-short verifier.json raises instead of
+# being passed over), M08 (a verifier.json holding a list raises instead)
+def test_verifier_facts_read_the_record_first_and_past_a_damaged_one(tmp_path, verifier_dir):
+    record = tmp_path / "verifier.json"
+    record.write_text(json.dumps({"num_hidden_layers": 3, "hidden_size": 32, "vocab_size": 99,
+                                  "max_position_embeddings": 512}))  # fmt: skip
+    assert preflight.verifier_facts(str(verifier_dir), record) == preflight.VerifierFacts(
+        str(record), 3, 32, 99, 512
+    )
+    from_config = preflight.VerifierFacts(str(verifier_dir / "config.json"), 8, 64, 400, 2048)
+    for damaged in ('{"num_hidden_layers": 3, "hidd', "[1, 2]"):
+        record.write_text(damaged)
+        assert preflight.verifier_facts(str(verifier_dir), record) == from_config
+    assert preflight.verifier_facts("org/model", tmp_path / "none.json") is None  # a hub id
+
+
+# Catches: M67 (planning_problems returns no facts: the disk estimate of rules/common.smk,
+# print_disk_estimate, then silently prints nothing)
+def test_planning_returns_the_verifier_facts_it_read(tmp_path, verifier_dir):
+    from snakemake.utils import validate
+
+    config = copy.deepcopy(Env(tmp_path, verifier_dir, verifier_dir).config)
+    validate(config, schema=str(SCHEMA), set_default=True)
+    train, evals = Path(config["data"]["train"]["path"]), Path(config["data"]["eval"]["path"])
+    problems, facts = preflight.planning_problems(
+        config,
+        tmp_path / "results" / "t" / "verifier" / "verifier.json",
+        {"data.train.path": train, "data.eval.path": evals},
+        [{"key": "data.eval", "path": evals}],
+        6,
+    )
+    assert problems == []
+    assert facts == preflight.VerifierFacts(str(verifier_dir / "config.json"), 8, 64, 400, 2048)
+
+
+# ---- result folders and input files (the tests run as root here: os.access is faked) -----------
+
+
+def _deny(monkeypatch, denied: set[Path], mode: int) -> None:
+    """os.access in preflight answers False for ``denied`` paths asked for ``mode``."""
+    real = os.access
+    monkeypatch.setattr(
+        preflight.os, "access", lambda p, m: not (Path(p) in denied and m & mode) and real(p, m)
+    )
+
+
+# Catches: M21 (R_OK asked instead of W_OK | X_OK), M22 (the run's existing stage folders not
+# checked), M23 (the message's text)
+def test_folders_this_user_cannot_write_stop_planning(tmp_path, monkeypatch):
+    run_dir = tmp_path / "results" / "t"
+    remedy = "make it writable, or run from a working directory where results/ can be written"
+    _deny(monkeypatch, {tmp_path}, os.W_OK)
+    assert preflight.output_path_problems(run_dir) == [  # the deepest folder that exists
+        f"{tmp_path}: not writable by this user; {remedy}"
+    ]
+    monkeypatch.undo()
+    (run_dir / "checkpoint").mkdir(parents=True)
+    _deny(monkeypatch, {run_dir / "checkpoint"}, os.W_OK)
+    assert preflight.output_path_problems(run_dir) == [
+        f"{run_dir / 'checkpoint'}: not writable by this user; {remedy}"
+    ]
+    monkeypatch.undo()
+    assert preflight.output_path_problems(run_dir) == []
+
+
+# Catches: M15 (only a regular file counted as in the way: a FIFO is not a folder either)
+def test_a_fifo_where_the_results_folder_should_be(tmp_path):
+    os.mkfifo(tmp_path / "results")
+    run_dir = tmp_path / "results" / "t"
+    assert preflight.output_path_problems(run_dir) == [
+        f"{tmp_path / 'results'}: a file is where a folder of {run_dir} should be; move or "
+        "delete it, or choose another run name (config key run)"
+    ]
+
+
+# Catches: M24 (the readability check removed), M68 (its message's remedy), M69 (an unreadable
+# empty file reported twice: elif -> if), M26 (a one-byte file taken for empty)
+def test_an_unreadable_input_file_is_one_line_and_a_one_byte_file_is_not_empty(
+    tmp_path, monkeypatch
+):
+    empty, one = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    empty.write_text("")
+    one.write_text("x")
+    assert preflight.input_file_problems({"data.eval.path": one}) == []
+    _deny(monkeypatch, {empty}, os.R_OK)
+    assert preflight.input_file_problems({"data.train.path": empty}) == [
+        f"config key data.train.path: file '{empty}' is not readable; fix its permissions"
+    ]
+
+
+# ---- synthetic prompts are samples too --------------------------------------------------
+
+
+# Catches: planning ignoring regenerate.synthetic_prompts. With regeneration and
+# data.extra_train, prepare reads the regenerated file uncapped (rules/common.smk,
+# prepare_section: max_samples None), which holds each file's max_samples conversations plus
+# up to regenerate.synthetic_prompts synthetic ones; planning refused shards prepare fills.
+def test_synthetic_prompts_count_towards_the_samples_the_shards_can_take():
+    config = settings(
+        data__train={"path": "t.jsonl", "max_samples": 3},
+        data__extra_train=[{"path": "u.jsonl", "max_samples": 2}],
+        regenerate__enabled=True,
+        regenerate__synthetic_prompts=10,
+        extract__shards=8,
+    )
+    assert preflight.setting_problems(config, None) == []  # up to 3 + 2 + 10 samples
+    config["extract"]["shards"] = 16
+    [line] = preflight.setting_problems(config, None)
+    assert line.startswith("config key extract.shards: 16 shards for at most 15 samples")
