@@ -63,7 +63,7 @@ def save_bf16(src: Path, dst: Path) -> None:
 
 def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]:
     """Copy speculators' final epoch into ``out_dir`` with a portable verifier reference."""
-    config = json.loads((epoch_dir / "config.json").read_text())
+    config = json.loads((epoch_dir / "config.json").read_text(encoding="utf-8"))
     config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
     config["transformer_layer_config"].pop("_name_or_path", None)
     bad = absolute_paths(config)
@@ -77,7 +77,7 @@ def export(epoch_dir: Path, out_dir: Path, verifier_name: str) -> dict[str, Any]
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_bf16(epoch_dir / "model.safetensors", tmp)
     with atomic_path(out_dir / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return config
 
 
@@ -96,7 +96,7 @@ def check_readable(checkpoint: Path) -> None:
     redo = f"delete {checkpoint} and rerun the workflow to retrain it"
     config_path, weights_path = checkpoint / "config.json", checkpoint / "model.safetensors"
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         detail = getattr(exc, "strerror", None) or first_line(exc)
         raise UserError(f"{config_path}: unreadable checkpoint config ({detail}); {redo}") from None
@@ -144,7 +144,7 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     problems: list[str] = []
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "problems": problems}
     try:
-        raw = json.loads((checkpoint / "config.json").read_text())
+        raw = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         problems.append(f"config.json unreadable: {exc}")
         report["valid"] = False

@@ -300,7 +300,7 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     import yaml
 
     schema_path = Path(schema_path)
-    schema = yaml.safe_load(schema_path.read_text())
+    schema = yaml.safe_load(schema_path.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     messages = []
     for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.path))):

@@ -84,7 +84,7 @@ def size_mismatch(path: Path, manifest_path: Path) -> str | None:
     if not (path.exists() and manifest_path.exists()):
         return None  # not built, or half built: Snakemake builds it anyway
     try:
-        expected = json.loads(manifest_path.read_text())["file"]["bytes"]
+        expected = json.loads(manifest_path.read_text(encoding="utf-8"))["file"]["bytes"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{manifest_path}: unreadable manifest"
     size = path.stat().st_size
@@ -100,7 +100,9 @@ def canonical_json(obj: Any) -> str:
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as indented, key-sorted JSON, atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        tmp.write_text(
+            json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
 
 
 class DamagedJson(UserError, ValueError):

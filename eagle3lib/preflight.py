@@ -82,7 +82,9 @@ def verifier_facts(spec: str, record_path: Path) -> VerifierFacts | None:
 
     if record_path.is_file():
         try:
-            return facts_from_record(json.loads(record_path.read_text()), str(record_path))
+            return facts_from_record(
+                json.loads(record_path.read_text(encoding="utf-8")), str(record_path)
+            )
         except (OSError, ValueError, AttributeError):
             pass  # the verifier rule rewrites it; read what the config names instead
     problem = verifier_files.local_path_problem(spec)
@@ -106,7 +108,7 @@ def verifier_facts(spec: str, record_path: Path) -> VerifierFacts | None:
     problem = verifier_files.config_json_problem(config_path)
     if problem:
         raise UserError(problem)
-    return facts_from_config(json.loads(config_path.read_text()), str(config_path))
+    return facts_from_config(json.loads(config_path.read_text(encoding="utf-8")), str(config_path))
 
 
 # ---- the result folders ---------------------------------------------------------------------

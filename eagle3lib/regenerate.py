@@ -571,7 +571,7 @@ def turn_ends(tokenizer) -> set[int]:
     """The tokens that end a turn: the tokenizer's end-of-sequence token and the verifier's
     generation_config's, where the tokenizer knows its folder."""
     path = Path(getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     return eos_ids(tokenizer.eos_token_id, config.get("eos_token_id"))
 
 
@@ -609,7 +609,9 @@ def synthetic_once(work_dir: Path, synthesize, log=print) -> list[dict[str, Any]
     remove_stale_temps(path)
     records = synthesize()
     with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        tmp.write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
+        )
     return records
 
 
@@ -668,7 +670,9 @@ def regenerate(
             progress=lambda line, index=index: log(f"regenerate: chunk {index + 1}/{n_chunks}, {line}"),
         )  # fmt: skip
         with atomic_path(path) as tmp:
-            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            tmp.write_text(
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
+            )
         log(
             f"regenerate: chunk {index + 1}/{n_chunks} ({len(part)} conversations) in {time.perf_counter() - t:.1f} s"
         )

@@ -70,7 +70,7 @@ def benchmark_seconds(paths: dict[str, Path]) -> dict[str, float]:
     """Wall seconds per job from Snakemake's benchmark: TSV files."""
     out = {}
     for job, path in sorted(paths.items()):
-        with open(path, newline="") as fh:
+        with open(path, newline="", encoding="utf-8") as fh:
             rows = list(csv.DictReader(fh, delimiter="\t"))
         if rows:
             out[job] = round(float(rows[-1]["s"]), 2)

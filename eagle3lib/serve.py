@@ -194,7 +194,7 @@ class VllmServer:
 
     def log_tail(self, lines: int = 3) -> str:
         try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
+            text = self.log_path.read_text(errors="replace", encoding="utf-8").strip().splitlines()
         except OSError:
             return ""
         return " | ".join(text[-lines:])

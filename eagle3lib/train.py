@@ -637,7 +637,9 @@ def prune_states(state_dir: Path, keep: int) -> list[Path]:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
 
 
 # Two trainers on the same batches, same seed and recipe, in bf16 autocast on a GPU: their

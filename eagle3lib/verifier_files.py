@@ -103,7 +103,7 @@ def weights_problem(folder: Path) -> str | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = set(json.loads(index.read_text())["weight_map"].values())
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{index}: unreadable weight index; fix or replace it"
         missing = sorted(n for n in names if not (folder / n).is_file())

@@ -50,7 +50,7 @@ def fetch_states(server, sample: np.ndarray, i: int, shape: tuple[int, int, int]
         raise UserError(
             "vLLM returned no hidden_states_path: is the extraction connector configured?"
         )
-    with open(path + ".lock") as lock:
+    with open(path + ".lock", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is written
         data = load_file(path)
     for leftover in (path, path + ".lock"):

@@ -232,7 +232,11 @@ def print_disk_estimate(facts):
     aux = config["extract"]["aux_layers"]
     slots = (len(aux) if aux else 3) + 1
     info = Path(SAMPLES_INFO)
-    tokens = json.loads(info.read_text()).get("tokens") if info.is_file() else None
+    tokens = (
+        json.loads(info.read_text(encoding="utf-8")).get("tokens")
+        if info.is_file()
+        else None
+    )
     print(
         disk_estimate(facts.hidden_size, slots, config["extract"]["storage"], tokens),
         file=sys.stderr,
@@ -718,7 +722,7 @@ def prepared_samples():
     if info.stat().st_mtime < Path(VERIFIER).stat().st_mtime:
         return None  # the verifier is newer: prepare runs again
     try:
-        return int(json.loads(info.read_text())["samples"])
+        return int(json.loads(info.read_text(encoding="utf-8"))["samples"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

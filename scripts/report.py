@@ -86,9 +86,9 @@ def main() -> None:
         "Training loss": a.out_plot_loss.name,
     }
     with atomic_path(a.out_markdown) as tmp:
-        tmp.write_text(report_text.markdown(summary, plots))
+        tmp.write_text(report_text.markdown(summary, plots), encoding="utf-8")
     with atomic_path(a.out_tables) as tmp:
-        tmp.write_text(report_text.html_tables(summary))
+        tmp.write_text(report_text.html_tables(summary), encoding="utf-8")
     write_json(a.out, summary)
     if a.out_provenance:
         from eagle3lib import provenance

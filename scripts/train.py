@@ -91,7 +91,7 @@ def main() -> None:
     stats["epochs"] = cfg.epochs
     phases.mark("checkpoint exported")
     with atomic_path(a.out_card) as tmp:
-        tmp.write_text(checkpoint.model_card(config, record, stats))
+        tmp.write_text(checkpoint.model_card(config, record, stats), encoding="utf-8")
     phases.mark("model card written")
     stats["timeline"] = phases.marks  # seconds since the process started
     # relative to the summary's folder: true for a copied or renamed run folder

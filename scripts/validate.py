@@ -33,7 +33,8 @@ def main() -> None:
     with atomic_path(a.out) as tmp:
         tmp.write_text(
             f"valid: acceptance_length={fmt(summary['acceptance_length'], 4)} k={summary['k']} "
-            f"checkpoint_valid={summary['checkpoint_valid']}\n"
+            f"checkpoint_valid={summary['checkpoint_valid']}\n",
+            encoding="utf-8",
         )
 
 
