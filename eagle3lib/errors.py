@@ -155,10 +155,11 @@ def cli(main: F) -> F:
         # servers are stopped and half-written files removed on the way out.
         signal.signal(signal.SIGTERM, _terminate)
         if main.__module__ == "__main__":  # a job's process (not a test calling main)
-            from eagle3lib.lifetime import die_with_parent, parent_death_signal
+            from eagle3lib.lifetime import die_with_parent, parent_death_signal, parent_gone
 
             # SIGTERM when its parent dies, SIGKILL for a torchrun worker (eagle3lib/lifetime.py)
             if not die_with_parent(sig=parent_death_signal()):
+                print(f"error: {parent_gone()}", file=sys.stderr, flush=True)
                 sys.exit(128 + signal.SIGTERM)
         try:
             return main(*args, **kwargs)

@@ -3,8 +3,9 @@
 - ``die_with_parent``: the kernel sends this process SIGTERM when the thread that started it
   dies, even by SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``). Every rule's command replaces the
   shell snakemake starts (``exec``), so a job's first process is snakemake's own child; every
-  script asks for the signal when it starts (``scripts/_bootstrap.py``), the GPU lease wrapper
-  asks it for the command it runs, and it survives the ``exec`` into torchrun. A job therefore
+  script asks for the signal when its main starts (``errors.cli``), and stops at once if the
+  parent it started with (``scripts/_bootstrap.py`` notes it) is gone by then; the GPU lease
+  wrapper asks it for the command it runs, and it survives the ``exec`` into torchrun. A job therefore
   ends with the snakemake process that started it, and each process below it with its parent.
   A torchrun worker asks for SIGKILL instead (``parent_death_signal``).
 - ``signals_deferred``: while a job stops what it started (a process group, a server), a
@@ -51,13 +52,28 @@ PR_SET_PDEATHSIG = 1
 _HELD: dict[str, int] = {}
 
 
+# The parent this process had when this module was first imported (a script imports it first
+# thing, in scripts/_bootstrap.py). A parent PID of 1 is no sign that the parent is gone: in a
+# container snakemake itself may be PID 1 (``docker run image snakemake``); and an orphan's
+# new parent need not be PID 1 (a subreaper adopts it).
+PARENT_AT_START = os.getppid()
+
+
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> bool:
     """Ask for ``sig`` when the parent (the thread that forked this process) dies. Returns
-    False when the parent is already gone: not ``parent`` (if given) or, without it, init."""
+    False when the parent is already gone: the parent is no longer ``parent`` (if given) or,
+    without it, the one this process started with (``PARENT_AT_START``)."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to ask for
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    ppid = os.getppid()
-    return ppid == parent if parent is not None else ppid != 1
+    return os.getppid() == (parent if parent is not None else PARENT_AT_START)
+
+
+def parent_gone() -> str:
+    """The line a job's process prints when its parent died before it asked for the signal."""
+    return (
+        f"the process that started this one (PID {PARENT_AT_START}) ended before it could "
+        "begin; nothing was run"
+    )
 
 
 def parent_death_signal(env: Mapping[str, str] = os.environ) -> int:

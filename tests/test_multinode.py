@@ -544,3 +544,122 @@ def test_a_torchrun_worker_dies_with_its_torchrun_even_when_it_cannot_act_on_sig
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+HINT = "run the train job with train.nodes > 1 inside a SLURM allocation (--profile profiles/slurm)"
+
+
+# Catches: scontrol's failure ignored: "no NodeList" instead of its error, a missing scontrol raises
+# FileNotFoundError, a traceback, scontrol's own error left out.
+def test_a_failing_or_missing_scontrol_stops_the_job_with_its_error(tmp_path, monkeypatch):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(  # scontrol's error, over two lines
+        "#!/bin/sh\necho 'slurm_load_jobs error:' >&2\n"
+        "echo '  Invalid job id specified' >&2\nexit 1\n"
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UserError) as failed:
+        multinode.allocation_hosts({"SLURM_JOB_ID": "7"})
+    assert str(failed.value) == (
+        "`scontrol show job -o 7` failed (slurm_load_jobs error: Invalid job id specified); " + HINT
+    )
+    scontrol.unlink()  # not installed
+    with pytest.raises(UserError) as failed:
+        multinode.allocation_hosts({"SLURM_JOB_NODELIST": "gpu[03-04]"})
+    assert str(failed.value) == (
+        "`scontrol show hostnames gpu[03-04]` failed ([Errno 2] No such file or directory: "
+        "'scontrol'); " + HINT
+    )
+
+
+# Catches: SLURM_NODELIST not read, ReqNodeList= taken for NodeList=, a pending job's
+# NodeList=(null) passed on to scontrol, no host names: an empty list.
+def test_allocation_hosts_read_the_node_list_as_scontrol_prints_it():
+    def scontrol(job_line: str, hostnames: str = "gpu03\ngpu04\n"):
+        return lambda argv: job_line if argv[2] == "job" else hostnames
+
+    running = (
+        "JobId=7 JobName=train JobState=RUNNING NumNodes=2 ReqNodeList=(null) "
+        "ExcNodeList=(null) NodeList=gpu[03-04] BatchHost=gpu03\n"
+    )
+    assert multinode.allocation_hosts({"SLURM_JOB_ID": "7"}, scontrol(running)) == [
+        "gpu03", "gpu04",
+    ]  # fmt: skip
+    pending = running.replace("RUNNING", "PENDING").replace(
+        "NodeList=gpu[03-04]", "NodeList=(null)"
+    )
+    with pytest.raises(UserError) as failed:
+        multinode.allocation_hosts({"SLURM_JOB_ID": "7"}, scontrol(pending))
+    assert str(failed.value) == "scontrol show job 7: no NodeList; is the job running?"
+    # SLURM's older name for the node list
+    assert multinode.allocation_hosts({"SLURM_NODELIST": "gpu[03-04]"}, scontrol("")) == [
+        "gpu03", "gpu04",
+    ]  # fmt: skip
+    with pytest.raises(UserError) as failed:
+        multinode.allocation_hosts({"SLURM_JOB_NODELIST": "gpu[03-04]"}, scontrol("", ""))
+    assert str(failed.value) == "scontrol show hostnames gpu[03-04]: no host names"
+
+
+# Catches: --cpus-per-task=None without a CPU count, one of the rendezvous variables missing not
+# refused: torchrun with --rdzv-id=None, per_node.
+def test_command_lines_leave_out_what_is_not_given_and_refuse_what_is_missing():
+    wrapper = ["python", "gpu_job.py", "--per-node"]
+    assert multinode.srun_argv(2, 0, None, wrapper) == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        "--label", *wrapper,
+    ]  # fmt: skip
+    for unset in (ENDPOINT_VAR, RDZV_ID_VAR, "SLURM_NODEID"):
+        env = {ENDPOINT_VAR: "gpu03:41000", RDZV_ID_VAR: "7-41000", "SLURM_NODEID": "0"}
+        del env[unset]
+        with pytest.raises(UserError, match="not started by the GPU wrapper's srun step"):
+            multinode.relaunch(2, 8, ["train.py"], env)
+    # one node: its gpu resource (a workstation cap may have lowered it); several: node_gpus
+    assert [multinode.per_node(n, g, 8) for n, g in ((1, 3), (2, 0), (3, 0))] == [3, 8, 8]
+
+
+# Catches: node records without their suffix, the rendezvous on the last host, a rendezvous id
+# without the port, the caller's environment changed, the per-node wrapper without --per-node: every
+# node would write the one record, each node's wrapper leases no GPU.
+def test_each_nodes_wrapper_gets_the_rendezvous_and_a_record_of_its_own():
+    record = Path("results/t/logs/train.gpu.json")
+    assert [multinode.node_record(record, n) for n in (0, 1)] == [
+        Path("results/t/logs/train.gpu.node0.json"), Path("results/t/logs/train.gpu.node1.json"),
+    ]  # fmt: skip
+    env = {"SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert multinode.launch_environment(env, ["gpu03", "gpu04"], 41000) == {
+        **env, ENDPOINT_VAR: "gpu03:41000", RDZV_ID_VAR: "7-41000",
+    }  # fmt: skip
+    assert env == {"SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert multinode.launch_environment({}, ["127.0.0.1"], 5)[RDZV_ID_VAR] == "local-5"
+    argv = multinode.gpu_job_per_node(8, "train", record, Path("locks"), ["python", "train.py"])
+    assert argv == [
+        sys.executable, str(ROOT / "scripts" / "gpu_job.py"), "--gpus", "8", "--rule", "train",
+        "--record", str(record), "--per-node", "--lock-dir", "locks", "--", "python", "train.py",
+    ]  # fmt: skip
+
+
+# Catches: ", the first" on the wrong rank, -15 returned, not 143, 1 returned whatever the status, a
+# torchrun that succeeded returns 1, only one rank named.
+def test_failed_workers_end_torchrun_with_one_line_a_rank_and_the_first_ones_status(
+    monkeypatch, capsys
+):
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    stopped = ProcessFailure(local_rank=1, pid=202, exitcode=-15, error_file="")
+    failed = ProcessFailure(local_rank=0, pid=201, exitcode=1, error_file="")
+    stopped.timestamp, failed.timestamp = 100, 200  # rank 1 (stopped by SIGTERM) failed first
+
+    def workers_failed(_argv):
+        raise ChildFailedError("train.py", {1: stopped, 0: failed})
+
+    monkeypatch.setattr(run, "main", workers_failed)
+    assert multinode.run_torchrun(["train.py"]) == 128 + 15
+    assert capsys.readouterr().err == (
+        "torchrun: rank 0 (pid 201) exited with status 1\n"
+        "torchrun: rank 1 (pid 202) exited with status 143, the first\n"
+    )
+    monkeypatch.setattr(run, "main", lambda _argv: None)
+    assert multinode.run_torchrun(["train.py"]) == 0
+    assert capsys.readouterr().err == ""
