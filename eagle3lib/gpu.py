@@ -364,7 +364,7 @@ def run(
             env[TURN_ENV] = os.pathsep.join(str(device_lock(folder, d, "turn")) for d in devices)
         else:
             env.pop(TURN_ENV, None)  # a job of its own GPUs takes no turns
-        before = nvml_snapshot(devices or None)
+        before = nvml_snapshot(devices)  # none for a CPU job: it can use no GPU
         t0 = time.time()
         proc, pumping = start(argv, env, log, echo)
         rc = wait(proc, pumping)
@@ -375,7 +375,7 @@ def run(
             if gpus and share == 1:
                 after = settled_snapshot(devices, before)
             else:  # (a shared device's memory moves with the other job: no leak verdict)
-                after = nvml_snapshot(devices or None)
+                after = nvml_snapshot(devices)
             if stragglers:
                 stop_group(proc.pid)
             end_output(pumping)
