@@ -25,7 +25,7 @@ def thread_schedstat() -> tuple[int, int] | None:
     does not report them (no file) or has not accounted this thread yet (zeros: a thread that
     only just started, until the scheduler's next update)."""
     try:
-        run, wait, _ = Path("/proc/thread-self/schedstat").read_text(encoding="utf-8").split()
+        run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
     except (OSError, ValueError):
         return None
     return (int(run), int(wait)) if int(run) else None
