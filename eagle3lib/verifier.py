@@ -99,7 +99,7 @@ _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 def default_name(path: str) -> str:
     if path.startswith(PACKAGE_PREFIX) or is_gguf_file(path):
         return _QUANT_SUFFIX.sub("", Path(path).name[: -len(".gguf")])
-    return Path(path).name if is_local(path) else path
+    return Path(os.path.abspath(path)).name if is_local(path) else path
 
 
 def ships_code(config_dict: dict[str, Any]) -> bool:

@@ -83,6 +83,8 @@ def config_json_problem(config_path: Path) -> str | None:
         data = json.loads(config_path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         return f"{config_path}: not UTF-8 text; fix or replace its config.json"
+    except RecursionError:
+        return f"{config_path}: JSON nested too deeply to read; fix or replace its config.json"
     except json.JSONDecodeError as exc:
         return (
             f"{config_path}:{exc.lineno}: invalid JSON ({exc.msg}); fix or replace its config.json"
@@ -104,7 +106,7 @@ def weights_problem(folder: Path) -> str | None:
     if index.is_file():
         try:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return f"{index}: unreadable weight index; fix or replace it"
         missing = sorted(n for n in names if not (folder / n).is_file())
         if missing:
@@ -136,8 +138,11 @@ def _safetensors_header(path: Path) -> bytes:
 
 
 def weights_checksum(files: list[Path]) -> dict[str, Any]:
+    """Checksum of a verifier's weight files: each file's sha256 up to ``FULL_HASH_LIMIT`` bytes
+    in all, above it each safetensors file's header and size (pickle files have no header to
+    read, so they are always hashed in full)."""
     total = sum(f.stat().st_size for f in files)
-    if total <= FULL_HASH_LIMIT:
+    if total <= FULL_HASH_LIMIT or any(f.suffix != ".safetensors" for f in files):
         digests = {f.name: sha256_file(f) for f in files}
         kind = "sha256"
     else:

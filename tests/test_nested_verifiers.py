@@ -78,6 +78,7 @@ def test_record_describes_the_language_model(nested):
     assert (record["model_type"], record["text_model_type"], record["custom_code"]) == expect
     assert record["trust_remote_code"] is expect[2]
     assert (record["num_hidden_layers"], record["hidden_size"]) == (8, 64)
+    assert record["max_position_embeddings"] == 2048  # the text config's, not the outer one's
     assert record["vocab_size"] == len(tokenizer)
 
 
