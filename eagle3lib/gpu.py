@@ -4,9 +4,11 @@ readings before and after the job, so validation can fail a job that left memory
 Snakemake assigns no device ids to local jobs
 (https://github.com/snakemake/snakemake/issues/281), so every GPU rule runs its command
 through ``scripts/gpu_job.py``: it takes ``--gpus N`` free devices from the pool
-(``CUDA_VISIBLE_DEVICES`` if set, else all NVML devices) with non-blocking ``flock``s that the
-kernel releases even on SIGKILL, records NVML used memory per leased device, runs the command
-in its own process group with ``CUDA_VISIBLE_DEVICES`` set to the lease, and reads NVML again
+(``CUDA_VISIBLE_DEVICES``'s GPUs, by index or UUID, if set, else all NVML devices) with
+non-blocking ``flock``s that the kernel releases even on SIGKILL, records NVML used memory per
+leased device, runs the command in its own process group with ``CUDA_VISIBLE_DEVICES`` set to
+the lease (NVML's indices, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA's numbering then is
+NVML's), and reads NVML again
 once the command's main process has exited: anything it left running in its group is still
 alive then, so its memory shows; such processes are recorded and stopped before the lease is
 released. On a machine without an NVIDIA driver the record says so. Each record names its
@@ -85,11 +87,70 @@ def nvml_snapshot(indices: Sequence[int] | None = None) -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
+class VisibleDevicesError(ValueError):
+    """CUDA_VISIBLE_DEVICES names devices that cannot be found or leased."""
+
+
+def _nvml_uuids() -> list[str]:
+    """Each NVML device's UUID ("GPU-..."), by index."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        uuids = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+        return uuids
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def visible_devices(visible: str) -> list[int]:
+    """NVML indices of the devices a CUDA_VISIBLE_DEVICES value names, in its order: indices
+    as they are, GPUs by UUID (``GPU-...``, whole or a prefix of one GPU's, as CUDA takes them)
+    looked up in NVML. As CUDA does, the list ends at its first entry that is neither (``-1``
+    hides every device). MIG instances are parts of a GPU, which a lease cannot take."""
+    indices: list[int] = []
+    uuids: list[str] | None = None
+    for entry in (x.strip() for x in visible.split(",")):
+        if entry.isdigit():
+            indices.append(int(entry))
+        elif entry.startswith("MIG-"):
+            raise VisibleDevicesError(
+                f"CUDA_VISIBLE_DEVICES names a MIG instance ({entry}): GPU jobs lease whole "
+                "GPUs; name GPUs by index or UUID"
+            )
+        elif entry.startswith("GPU-"):
+            if uuids is None:
+                try:
+                    uuids = _nvml_uuids()
+                except Exception as exc:  # noqa: BLE001 - pynvml missing or its NVMLError
+                    raise VisibleDevicesError(
+                        f"CUDA_VISIBLE_DEVICES names GPUs by UUID ({entry}) and NVML cannot "
+                        f"be read to find them ({exc or type(exc).__name__}); name GPUs by index"
+                    ) from None
+            found = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
+            if len(found) != 1:
+                what = "no GPU's UUID" if not found else f"{len(found)} GPUs' UUIDs"
+                raise VisibleDevicesError(
+                    f"CUDA_VISIBLE_DEVICES names {entry}, and {what} on this host begin(s) with "
+                    f"it ({', '.join(uuids) or 'no GPUs'}); fix CUDA_VISIBLE_DEVICES"
+                )
+            indices.append(found[0])
+        else:
+            break
+    return indices
+
+
 def device_pool() -> list[int]:
-    """Device indices jobs may lease: CUDA_VISIBLE_DEVICES (numeric ids) if set, else all."""
+    """Device indices jobs may lease: CUDA_VISIBLE_DEVICES's devices if set, else all."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+        try:
+            return visible_devices(visible)
+        except VisibleDevicesError as exc:
+            raise SystemExit(f"error: {exc}") from None
     snap = nvml_snapshot()
     return list(range(snap.get("device_count", 0)))
 
@@ -357,8 +418,11 @@ def run(
     ``share`` > 1: the devices are shared with that many jobs, taking turns (module doc)."""
     with lease(gpus, device_pool() if gpus else [], lock_dir, share=share) as devices:
         env = dict(os.environ)
-        # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all.
+        # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all. The lease's
+        # indices are NVML's, which number GPUs by PCI bus id; CUDA numbers them so only with
+        # CUDA_DEVICE_ORDER=PCI_BUS_ID (by default the fastest first).
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if share > 1 and devices:
             folder = lock_folder(lock_dir)
             env[TURN_ENV] = os.pathsep.join(str(device_lock(folder, d, "turn")) for d in devices)

@@ -75,12 +75,15 @@ def git_commit(root: Path = ROOT) -> dict[str, Any] | None:
 
 def gpus() -> list[str]:
     """Names of the GPUs this job could see (NVML; empty on a CPU job or machine)."""
-    from eagle3lib.gpu import nvml_snapshot
+    from eagle3lib.gpu import VisibleDevicesError, nvml_snapshot, visible_devices
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible == "":
+    try:
+        indices = None if visible is None else visible_devices(visible)
+    except VisibleDevicesError:
+        return []  # (a job the GPU wrapper ran sees its lease's indices)
+    if indices == []:
         return []
-    indices = [int(x) for x in visible.split(",") if x.strip().isdigit()] if visible else None
     snap = nvml_snapshot(indices)
     return [f"{d['index']}: {d['name']}" for d in snap.get("devices", [])]
 

@@ -370,9 +370,10 @@ class FakeNVML(types.ModuleType):
     class NVMLError(Exception):
         pass
 
-    def __init__(self, readings, pids=None, total_mib=81559.0, init_error=None):
+    def __init__(self, readings, pids=None, total_mib=81559.0, init_error=None, uuids=None):
         super().__init__("pynvml")
         self.readings = list(readings)
+        self.uuids = uuids or {}  # {index: "GPU-..."}
         self.pids = pids or {}
         self.total_mib = total_mib
         self.init_error = init_error
@@ -408,6 +409,9 @@ class FakeNVML(types.ModuleType):
 
     def nvmlDeviceGetName(self, handle):
         return b"NVIDIA H100 80GB HBM3"
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.uuids[handle].encode()  # (bytes, as older pynvml returns them)
 
 
 @pytest.fixture
@@ -511,8 +515,58 @@ def test_device_pool_is_cuda_visible_devices_or_every_nvml_device(fake_nvml, mon
     assert gpu.device_pool() == [0, 1, 2]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible: none to lease
     assert gpu.device_pool() == []
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8e1c,2, 3")  # numeric ids only
-    assert gpu.device_pool() == [2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 0")  # in its order
+    assert gpu.device_pool() == [2, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,-1,0")  # CUDA reads up to the first bad entry
+    assert gpu.device_pool() == [2]
+
+
+UUIDS = {
+    0: "GPU-8e1c4d2a-1111-2222-3333-444455556666",
+    1: "GPU-8e1c9f00-aaaa-bbbb-cccc-ddddeeeeffff",
+    2: "GPU-03b7e6c1-0000-1111-2222-333344445555",
+}
+
+
+def test_gpus_named_by_uuid_are_leased_by_their_nvml_index(fake_nvml, monkeypatch):
+    """NVML is a fake with 3 devices and their UUIDs; CUDA takes a UUID whole or a prefix of
+    one GPU's."""
+    fake_nvml({0: 0.0, 1: 0.0, 2: 0.0}, uuids=UUIDS)
+    assert gpu.visible_devices(f"{UUIDS[2]},GPU-8e1c9") == [2, 1]
+    assert gpu.visible_devices(f"1,{UUIDS[0]}") == [1, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-03b7")
+    assert gpu.device_pool() == [2]
+
+
+@pytest.mark.parametrize(
+    ("visible", "message"),
+    [
+        ("GPU-8e1c", "CUDA_VISIBLE_DEVICES names GPU-8e1c, and 2 GPUs' UUIDs on this host"),
+        ("0,GPU-ffff", "CUDA_VISIBLE_DEVICES names GPU-ffff, and no GPU's UUID on this host"),
+        ("MIG-5c2d1a3e-aaaa", "CUDA_VISIBLE_DEVICES names a MIG instance (MIG-5c2d1a3e-aaaa): "
+         "GPU jobs lease whole GPUs; name GPUs by index or UUID"),
+    ],
+)  # fmt: skip
+def test_devices_a_lease_cannot_take_stop_the_wrapper_with_one_line(
+    fake_nvml, monkeypatch, visible, message
+):
+    """NVML is a fake with 3 devices and their UUIDs."""
+    fake_nvml({0: 0.0, 1: 0.0, 2: 0.0}, uuids=UUIDS)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(SystemExit) as stop:
+        gpu.device_pool()
+    assert str(stop.value).startswith(f"error: {message}")
+    assert "\n" not in str(stop.value)
+    if "UUID on" in message or "UUIDs on" in message:
+        assert str(stop.value).endswith(f"({', '.join(UUIDS.values())}); fix CUDA_VISIBLE_DEVICES")
+
+
+def test_gpus_by_uuid_without_nvml_ask_for_indices(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-ml-py not installed
+    with pytest.raises(gpu.VisibleDevicesError, match=r"names GPUs by UUID \(GPU-8e1c\) and "
+                       r"NVML cannot be read to find them \(.+\); name GPUs by index"):  # fmt: skip
+        gpu.visible_devices("GPU-8e1c")
+    assert gpu.visible_devices("3,1") == [3, 1]  # indices need no NVML
 
 
 # ---- leak verdicts -----------------------------------------------------------------------------
@@ -783,7 +837,8 @@ def test_a_job_ends_when_its_wrapper_is_killed(tmp_path):
 # A job that writes the variables the wrapper hands it to the JSON file argv[1] names
 ENV_DUMP = (
     "import json, os, sys, time; time.sleep(float(sys.argv[2])); json.dump({k: os.environ.get(k) "
-    "for k in ('CUDA_VISIBLE_DEVICES', 'EAGLE3_GPU_TURN')}, open(sys.argv[1], 'w'))"
+    "for k in ('CUDA_VISIBLE_DEVICES', 'EAGLE3_GPU_TURN', 'CUDA_DEVICE_ORDER')}, "
+    "open(sys.argv[1], 'w'))"
 )
 
 
@@ -819,7 +874,12 @@ def test_an_exclusive_jobs_record_names_its_lease_host_span_and_settled_reading(
     monkeypatch.setenv(gpu.TURN_ENV, "/elsewhere/h-gpu5.turn.lock")  # e.g. a nested wrapper
     t0 = time.time()
     rc, seen, record = gpu_main(tmp_path, "--gpus", "1", sleep=0.3)
-    assert rc == 0 and seen == {"CUDA_VISIBLE_DEVICES": "0", "EAGLE3_GPU_TURN": None}
+    # NVML's indices, which CUDA takes as NVML does under PCI_BUS_ID order
+    assert rc == 0 and seen == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "EAGLE3_GPU_TURN": None,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
     assert record["rule"] == "extract" and record["host"] == HOST
     assert record["gpus_requested"] == 1 and record["devices"] == [0]
     assert record["shared_by"] == 1 and record["stray_processes"] is False
@@ -842,7 +902,11 @@ def test_a_sharing_jobs_turn_locks_and_record(tmp_path, fake_nvml, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, seen, record = gpu_main(tmp_path, "--gpus", "0", lock_dir=Path("locks"))
     turn = tmp_path.resolve() / "locks" / "slurm-7" / f"{HOST}-gpu0.turn.lock"
-    assert rc == 0 and seen == {"CUDA_VISIBLE_DEVICES": "0", "EAGLE3_GPU_TURN": str(turn)}
+    assert rc == 0 and seen == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "EAGLE3_GPU_TURN": str(turn),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
     assert record["shared_by"] == 2 and record["devices"] == [0] and record["leaks"] == []
     assert [d["used_mib"] for d in record["after"]["devices"]] == [17000.0]
 

@@ -221,6 +221,22 @@ def test_the_record_names_the_gpus_the_job_could_see(monkeypatch):
     assert provenance.gpus() == []
 
 
+def test_the_record_names_gpus_the_job_saw_by_uuid(monkeypatch):
+    """A job run outside the GPU wrapper with CUDA_VISIBLE_DEVICES naming GPUs by UUID: NVML
+    is a stand-in here (no NVIDIA driver on this machine) that knows two GPUs' UUIDs."""
+    from eagle3lib import gpu
+
+    uuids = ["GPU-aaaa0000", "GPU-bbbb1111"]
+    monkeypatch.setattr(gpu, "_nvml_uuids", lambda: uuids)
+    monkeypatch.setattr(gpu, "nvml_snapshot", lambda indices=None: {
+        "available": True, "devices": [{"index": i, "name": "NVIDIA H200"} for i in indices]
+    })  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    assert provenance.gpus() == ["1: NVIDIA H200"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa0000")  # not a GPU's UUID: none named
+    assert provenance.gpus() == []
+
+
 # Catches: a file of exactly FINGERPRINT_LIMIT bytes fingerprinted by its size (<= -> <).
 def test_files_up_to_the_limit_are_identified_by_content_larger_ones_by_size(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance, "FINGERPRINT_LIMIT", 8)
