@@ -249,9 +249,14 @@ def problems_of(summary: dict[str, Any]) -> list[str]:
     problems += gate_problems(summary.get("min_acceptance_length") or {}, summary["acceptance"])
     if summary["acceptance_length"] is None:
         problems.append("acceptance: no verifier step was measured (raise evaluate.max_new_tokens)")
-    for r in summary["acceptance"].get("results") or [summary["acceptance"]]:
+    for i, r in enumerate(summary["acceptance"].get("results") or [summary["acceptance"]]):
         where = f"{r['eval_set']} k={r['k']}" if "eval_set" in r else f"k={r['k']}"
         length = r.get("acceptance_length")
+        if length is None and i > 0:  # (the first result is the headline, named above)
+            problems.append(
+                f"acceptance ({where}): no verifier step was measured (raise "
+                "evaluate.max_new_tokens, or give the set prompts that leave room to decode)"
+            )
         if length is not None and not 1 <= length <= 1 + r["k"]:
             problems.append(
                 f"acceptance ({where}): acceptance length {fmt(length, 4)} is outside [1, "

@@ -495,10 +495,17 @@ def test_the_gate_passes_its_own_value_and_fails_a_set_without_a_verifier_step()
     assert report.problems_of(summary(gate={"mtbench": {"3": 2.498}})) == []
     offline = offline_record()
     offline["results"][2]["acceptance_length"] = None  # humaneval k=3: no verifier step
+    no_step = (
+        "acceptance (humaneval k=3): no verifier step was measured (raise "
+        "evaluate.max_new_tokens, or give the set prompts that leave room to decode)"
+    )
     assert report.problems_of(summary(gate={"humaneval": {"3": 2.0}}, offline=offline)) == [
         "acceptance (humaneval k=3): acceptance length n/a is below "
-        "validate.min_acceptance_length 2.0"
+        "validate.min_acceptance_length 2.0",
+        no_step,
     ]
+    # without a gate a set other than the headline with no verifier step is named too
+    assert report.problems_of(summary(offline=offline)) == [no_step]
 
 
 # Catches: ARGMAX_AGREEMENT_MIN lowered (0.95) or compared with <= (99 % exactly flagged).
