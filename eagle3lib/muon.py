@@ -361,7 +361,11 @@ def _apply(params: list[Tensor], result: Tensor, kind: str, lr: float | Tensor,
             p.mul_(1 - lr * weight_decay)
             p.add_(o, alpha=-_adjust_lr(lr, adjust_lr_fn, p.shape) * scale)
         return
-    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    if params[0].dtype in (torch.float32, torch.float64):
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    else:  # (foreach_mul_ rounds a number to bf16 or fp16 parameters' dtype; mul_ does not)
+        for p in params:
+            p.mul_(1 - lr * weight_decay)
     by_alpha: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for p, o in zip(params, ortho, strict=True):
         ps, us = by_alpha.setdefault(-_adjust_lr(lr, adjust_lr_fn, p.shape) * scale, ([], []))
