@@ -193,14 +193,23 @@ class VllmServer:
             self._log.write(SHUTDOWN_RACE_NOTE.encode() + b"\n")
 
     def log_tail(self, lines: int = 3) -> str:
+        """The last lines this server wrote (the log is appended to: an earlier run's lines
+        are not this one's)."""
         try:
-            text = self.log_path.read_text(errors="replace", encoding="utf-8").strip().splitlines()
+            with open(self.log_path, "rb") as fh:
+                fh.seek(getattr(self, "_log_start", 0))
+                text = fh.read().decode("utf-8", errors="replace").strip().splitlines()
         except OSError:
             return ""
         return " | ".join(text[-lines:])
 
     def metrics(self) -> str:
-        status, text = _get(f"{self.url}/metrics", timeout=30.0)
+        try:
+            status, text = _get(f"{self.url}/metrics", timeout=30.0)
+        except OSError as exc:  # (the server gone: connection refused, or no answer)
+            raise UserError(
+                f"vLLM /metrics could not be read ({exc}); see {self.log_path}: {self.log_tail()}"
+            ) from None
         if status != 200:
             raise UserError(f"vLLM /metrics answered {status}")
         return text
@@ -385,6 +394,7 @@ def serve_check(
             "max_model_len": engine.get("max_model_len"),
             "enforce_eager": True,
             "dtype": engine.get("dtype") or "auto",
+            "trust_remote_code": trust_remote_code,  # (as the server was started)
         },
     )
     mismatched = [p["id"] for p, a, b in zip(prompts, outputs, reference, strict=True) if a != b]
