@@ -489,8 +489,9 @@ def test_report_flags_any_eval_set_and_k_whose_greedy_text_is_off():
             "acceptance": {"results": results},
         }
 
-    fine = {"eval_set": "mtbench", "k": 3, "text_matches_verifier": True}
-    replayed = {"eval_set": "humaneval", "k": 5, "text_matches_verifier": None}
+    fine = {"eval_set": "mtbench", "k": 3, "acceptance_length": 1.5, "text_matches_verifier": True}
+    replayed = {"eval_set": "humaneval", "k": 5, "acceptance_length": 2.0,
+                "text_matches_verifier": None}  # fmt: skip
     assert problems_of(summary([fine, {**replayed, "argmax_agreement": 0.999}])) == []
     [problem] = problems_of(summary([fine, {**replayed, "argmax_agreement": 0.9}]))
     assert (
