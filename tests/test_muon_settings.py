@@ -3,23 +3,13 @@ at their defaults (each compared with torch.optim.Muon, on the CPU, with tiny ma
 
 import pytest
 import torch
+from test_muon import ALL_SETTINGS  # BatchedMuon's four paths
 
 from eagle3lib import muon
 from eagle3lib.muon import BatchedMuon
 
 # wide, tall (sharing a stack with the wide one), square, and a Gram-wide 32 x 96
 SHAPES = [(16, 48), (48, 16), (24, 24), (8, 24), (32, 96)]
-
-ALL_SETTINGS = pytest.mark.parametrize(
-    "settings",
-    [
-        {},
-        {"newton_schulz": "gram"},
-        {"batched": False},
-        {"newton_schulz": "gram", "batched": False},
-    ],
-    ids=["stacked", "gram", "one_at_a_time", "gram_one_at_a_time"],
-)
 
 
 def stepped(cls, groups, *, n=2, dtype=torch.float32, zero=False, **settings):
