@@ -344,7 +344,13 @@ def reference_greedy(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, distributed_executor_backend="uni", **engine_kwargs)
+    # spread over the job's GPUs as the server was (engine_args): a verifier that needs several
+    # GPUs fits, and greedy text is computed with the server's reductions
+    gpus = 0 if on_cpu() else leased_gpus()
+    parallel = (
+        {"tensor_parallel_size": gpus} if gpus > 1 else {"distributed_executor_backend": "uni"}
+    )
+    llm = LLM(model=model, **parallel, **engine_kwargs)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=max_tokens),

@@ -577,6 +577,23 @@ def test_a_verifier_is_spread_over_the_jobs_gpus(monkeypatch, tmp_path):
     assert serve.engine_args({"enforce_eager": False}) == []
 
 
+def test_the_reference_engine_is_spread_over_the_jobs_gpus_as_the_server(
+    monkeypatch, tmp_path, offline_llm
+):
+    def parallelism(visible):
+        gpu_job(monkeypatch, tmp_path, visible)
+        serve.reference_greedy("verifier dir", [[1, 2]], 2, {"dtype": "bfloat16"})
+        llm = dict(offline_llm["llm"])
+        assert (llm.pop("model"), llm.pop("dtype")) == ("verifier dir", "bfloat16")
+        return llm
+
+    assert parallelism("0,1,2,") == {
+        "tensor_parallel_size": 3
+    }  # the server's --tensor-parallel-size
+    assert parallelism("1") == {"distributed_executor_backend": "uni"}
+    assert parallelism("") == {"distributed_executor_backend": "uni"}  # a CPU job
+
+
 def test_a_cpu_job_is_one_without_a_gpu_lease_or_without_nvidia_smi(monkeypatch, tmp_path):
     gpu_job(monkeypatch, tmp_path, "")
     assert serve.on_cpu() and serve.leased_gpus() == 0
