@@ -572,6 +572,7 @@ def test_shard_length_and_states_of_each_sample(tmp_path):
     assert shard.states(0).dtype == torch.bfloat16
     assert torch.equal(shard.states(1), torch.full((2, 2, 4), 2.0, dtype=torch.bfloat16))
     assert torch.equal(shard.states(0, torch.float32), torch.ones(3, 2, 4))
+    assert shard.states(0, torch.float32).dtype == torch.float32  # torch.equal ignores dtype
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x08\x00\x00"], ids=["empty", "three-bytes"])

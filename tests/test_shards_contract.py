@@ -1,0 +1,45 @@
+"""The shard file is a safetensors file: its header is padded to 8 bytes (the states start
+aligned), and safetensors' own reader gives back the tensors open_shard serves."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3lib import shard_writer, shards
+
+
+def write_shard(path, lengths, slots, hidden, storage):
+    layout = shards.ShardLayout(lengths, slots, hidden, storage=storage)
+    writer = shard_writer.ShardWriter(path, layout, {"format": "test"})
+    gen = torch.Generator().manual_seed(len(lengths))
+    for i in layout.put_order:
+        writer.put_states(i, torch.randn(lengths[i], slots, hidden, generator=gen))
+    tokens = layout.tokens
+    writer.close(np.arange(tokens) % 7, (np.arange(tokens) % 2).astype(np.uint8))
+
+
+# Catches: the header written without its padding to a multiple of 8 bytes (a file
+# safetensors' spec and aligned mmap views of the states rely on).
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+@pytest.mark.parametrize("lengths", [(3,), (3, 2), (5, 1, 4), (17, 9, 2, 11)])
+def test_shard_header_is_padded_and_safetensors_reads_what_open_shard_serves(
+    tmp_path, lengths, storage
+):
+    path = tmp_path / "s.safetensors"
+    write_shard(path, lengths, 3, 8, storage)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert n % 8 == 0, f"header of {n} bytes: states start unaligned"
+    shard = shards.open_shard(path)
+    with safe_open(path, "pt") as f:
+        assert torch.equal(
+            f.get_tensor("hidden_states").view(torch.uint8),
+            shard.hidden_states.view(torch.uint8),
+        )
+        assert f.get_tensor("input_ids").tolist() == shard.input_ids.tolist()
+        assert f.get_tensor("offsets").tolist() == shard.offsets.tolist()
+        assert f.get_tensor("row_starts").tolist() == shard.row_starts.tolist()
+        if storage == "fp8":
+            assert torch.equal(f.get_tensor("hidden_scales"), torch.from_numpy(shard.scales))
