@@ -290,9 +290,14 @@ def engine_args(engine: dict[str, Any], trust_remote_code: bool = False) -> list
         args.append("--enforce-eager")
     if on_cpu():
         args += ["--distributed-executor-backend", "uni"]
-    elif leased_gpus() > 1:  # a verifier spread over the job's GPUs
-        args += ["--tensor-parallel-size", str(leased_gpus())]
+    elif tensor_parallel() > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel())]
     return args
+
+
+def tensor_parallel() -> int:
+    """GPUs vLLM spreads the verifier over: the job's GPUs where it leased several, else 1."""
+    return 1 if on_cpu() else max(1, leased_gpus())
 
 
 def compute_dtype(engine_dtype: str | None, evaluate_dtype: str, cuda: bool) -> str:
@@ -344,9 +349,9 @@ def reference_greedy(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    # spread over the job's GPUs as the server was (engine_args): a verifier that needs several
+    # spread over the job's GPUs as the server is (engine_args): a verifier that needs several
     # GPUs fits, and greedy text is computed with the server's reductions
-    gpus = 0 if on_cpu() else leased_gpus()
+    gpus = tensor_parallel()
     parallel = (
         {"tensor_parallel_size": gpus} if gpus > 1 else {"distributed_executor_backend": "uni"}
     )

@@ -587,9 +587,8 @@ def test_the_reference_engine_is_spread_over_the_jobs_gpus_as_the_server(
         assert (llm.pop("model"), llm.pop("dtype")) == ("verifier dir", "bfloat16")
         return llm
 
-    assert parallelism("0,1,2,") == {
-        "tensor_parallel_size": 3
-    }  # the server's --tensor-parallel-size
+    # as the server's --tensor-parallel-size
+    assert parallelism("0,1,2,") == {"tensor_parallel_size": 3}
     assert parallelism("1") == {"distributed_executor_backend": "uni"}
     assert parallelism("") == {"distributed_executor_backend": "uni"}  # a CPU job
 
