@@ -296,6 +296,33 @@ def executed_jobs(output: str) -> list[str]:
     return jobs
 
 
+def one_torchrun_rank(monkeypatch) -> None:
+    """torchrun's variables for one rank in a group of one on a free local port: train.train
+    then takes DDP's code path in this process (gloo on a CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def gpu_with_triton(monkeypatch):
+    """resolve_runtime's view of a GPU machine with Triton, at the torch version given (only
+    what it reads is faked: torch.cuda.is_available, an importable triton, torch.__version__)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    return lambda version: monkeypatch.setattr(torch, "__version__", version)
+
+
 def train_pipeline(pipeline: dict, state: Path, trainer_class=None, **changes) -> dict:
     """eagle3lib.train.train on the pipeline's shards and vocab map, its train config with
     ``changes``, state (and metrics, m.jsonl) in ``state``; returns the run statistics."""

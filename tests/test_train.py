@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_bytes, train_pipeline
+from conftest import assert_same_bytes, one_torchrun_rank, train_pipeline
 
 from eagle3lib import batches, speculators_compat, streaming_trainer, train, train_data
 from eagle3lib.errors import UserError
@@ -365,18 +365,6 @@ def test_flex_attention_on_cpu_is_refused():
 
     with pytest.raises(UserError, match="flex attention has no backward pass on CPU"):
         train.resolve_runtime(TrainConfig(attention="simple_flex_attention"))
-
-
-@pytest.fixture
-def gpu_with_triton(monkeypatch):
-    """resolve_runtime's view of a GPU machine with Triton, at the torch version given (only
-    what it reads is faked: torch.cuda.is_available, an importable triton, torch.__version__)."""
-    import sys
-    import types
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
-    return lambda version: monkeypatch.setattr(torch, "__version__", version)
 
 
 @pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cu130", "2.14.1"])
@@ -978,20 +966,6 @@ def test_a_stop_signal_saves_the_state_after_the_step_and_the_rerun_ends_with_th
     reference_curves = train.loss_curves(ref_metrics)
     assert curves["train_loss"] == reference_curves["train_loss"]
     assert curves["val"] == reference_curves["val"]
-
-
-def one_torchrun_rank(monkeypatch) -> None:
-    """torchrun's variables for one rank in a group of one on a free local port: train.train
-    then takes DDP's code path in this process (gloo on a CPU)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
-                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port)}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
 
 
 def test_a_ddp_vote_cast_after_an_epochs_last_step_stops_before_its_validation(
