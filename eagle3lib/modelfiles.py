@@ -197,8 +197,9 @@ def _model_fields(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def safetensors_problem(path: str | Path) -> str | None:
-    """Why a safetensors file cannot be whole (cut short, not safetensors), or None. Reads the
-    header only: its JSON must parse and its tensors' data must end where the file ends."""
+    """Why a safetensors file cannot be whole (cut short, longer than its tensors, not
+    safetensors), or None. Reads the header only: its JSON must parse and its tensors' data
+    must end where the file ends."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as fh:
@@ -216,6 +217,6 @@ def safetensors_problem(path: str | Path) -> str | None:
             )
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return "its header is not a safetensors header"
-    if 8 + n + end > size:
+    if 8 + n + end != size:  # safetensors refuses bytes after the last tensor, too
         return f"its tensors end at byte {8 + n + end:,}, the file has {size:,}"
     return None
