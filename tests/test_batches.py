@@ -291,3 +291,29 @@ def test_ffd_never_truncates_a_sample_next_to_one_longer_than_the_batch():
     lengths = np.array([2049, 2])
     got = batches.make_sampler("ffd", lengths, 2048, 1, 0, 0)._generate_batches(0)
     assert sorted(b.tolist() for b in got) == [[0], [1]]
+
+
+def test_loader_workers_give_the_same_batches_as_the_training_threads(pipeline):
+    """train.loader_workers > 0 (speculators' loader settings: spawned worker processes,
+    persistent, prefetch 4): the same batches in the same order, over two epochs, as the
+    loader of the training process (loader_workers 0, whose batches ThreadedBatches yields
+    bit for bit: test above). A worker process is spawned here for real."""
+    paths = pipeline["shards"]
+    shards = [open_shard(p) for p in paths]
+    pairs, _ = train_data.split_indices(shards, 0.1)
+
+    def loader(workers):
+        ds = train_data.ShardDataset(paths, pairs, 128, torch.float32, "bf16")
+        return train_data.make_loader(ds, 128, 64, 3, seed=0, workers=workers, packing="ffd")
+
+    in_process, spawned = loader(0), loader(1)
+    assert spawned.num_workers == 1 and spawned.persistent_workers
+    assert spawned.multiprocessing_context.get_start_method() == "spawn"
+    for epoch in (0, 1):
+        in_process.batch_sampler.set_epoch(epoch)
+        spawned.batch_sampler.set_epoch(epoch)
+        expected = list(in_process)
+        got = list(spawned)
+        assert len(got) == len(expected) >= 4
+        for ours, theirs in zip(got, expected, strict=True):
+            assert_same_batch(ours, theirs)
