@@ -143,6 +143,46 @@ def test_incremental_proposals_equal_speculators_forward(pipeline, request, laye
     assert drafter.propose(aux[:12], ids[:13], 3) == Drafter(draft).propose(aux[:12], ids[:13], 3)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"norm_before_fc": False},
+        {"norm_output": False},
+        {"norm_before_residual": False},
+        {"num_layers": 2, "sliding_window": 6, "full_attention_layers": [1]},
+    ],
+    ids=["no-norm-before-fc", "no-norm-output", "no-norm-before-residual", "window-config"],
+)
+def test_incremental_proposals_follow_the_drafts_train_settings(pipeline, settings):
+    """Drafts built by the train job with its draft-shape keys off their defaults
+    (train.norm_before_fc, norm_output, norm_before_residual; sliding_window with
+    full_attention_layers): the incremental drafter still computes speculators' forward, its
+    norms' weights drawn at random."""
+    from eagle3lib.config import TrainConfig
+
+    torch.manual_seed(1)
+    cfg = TrainConfig(draft_vocab_size=256, **settings)
+    draft = train.build_draft(cfg, pipeline["record"], AUX, pipeline["vocab_map"], "sdpa")
+    draft = draft.float().eval()
+    with torch.no_grad():  # norms' weights start at 1, where norming twice equals once
+        for name, weight in draft.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    for key in ("norm_before_fc", "norm_output", "norm_before_residual"):
+        assert getattr(draft.config, key) is getattr(cfg, key), key
+    assert (draft.input_norm is None) is not cfg.norm_before_fc
+    if "sliding_window" in settings:
+        assert (draft.sliding_window, list(draft.sliding_window_indices)) == (6, [0])
+    aux, ids = sample_states(pipeline)
+    drafter = Drafter(draft)
+    for n in (9, 17, 30):
+        proposals, rows = draft_logits(draft, lambda n=n: drafter.propose(aux[:n], ids[: n + 1], 3))
+        got = torch.stack([r[-1] for r in rows])
+        torch.testing.assert_close(
+            got, reference_logits(draft, aux[:n], ids[: n + 1], proposals), rtol=1e-4, atol=1e-4
+        )
+
+
 def test_a_new_sequence_without_reset_proposes_as_a_fresh_drafter(pipeline, draft):
     """A sequence that differs from the cached one at its first token (another prompt, no
     ``reset``): the whole cache is dropped, as for a fresh drafter (transformers' cache
