@@ -234,13 +234,13 @@ def _draft_layer_problems(config: dict[str, Any]) -> list[str]:
 def _sample_problems(config: dict[str, Any], samples: int | None) -> list[str]:
     """extract.shards against the samples there can be (data.train.max_samples, and
     data.extra_train's) and those prepare made; too few samples to train on. With
-    data.extra_train and regeneration, prepare reads the regenerated file uncapped, so its
-    synthetic prompts count too (without extra files prepare caps it at max_samples)."""
+    regeneration and synthetic prompts, prepare reads the regenerated file uncapped, so they
+    count too (rules/common.smk, prepare_section)."""
     shards = config["extract"]["shards"]
     sources = [config["data"]["train"], *config["data"].get("extra_train", [])]
     caps = [s.get("max_samples") for s in sources]
     regenerate = config["regenerate"]
-    synthetic = regenerate["synthetic_prompts"] if regenerate["enabled"] and len(caps) > 1 else 0
+    synthetic = regenerate["synthetic_prompts"] if regenerate["enabled"] else 0
     max_samples = None if None in caps else sum(caps) + synthetic
     keys = "data.train.max_samples" + (" and data.extra_train's" if len(caps) > 1 else "")
     keys += " and regenerate.synthetic_prompts" if synthetic else ""

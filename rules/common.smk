@@ -397,10 +397,14 @@ def prepare_section():
     """What decides the prepared samples (eval files are inputs; their names and prompt counts
     are not). data.extra_train only when given (runs made before the key stay current); with
     regeneration prepare reads the one regenerated file, whose conversations regenerate took
-    at most max_samples of each file: then no file's options are prepare's."""
+    at most max_samples of each file: with extra files or synthetic prompts (which that file
+    holds besides them) no file's options are prepare's, so none of them is cut; with neither,
+    data.train's cap leaves that file whole and stays (runs made before stay current).
+    """
     data = dict(config["data"], train=train_data())
     extras = data.pop("extra_train")
-    if extras and runs("regenerate"):
+    regenerated = runs("regenerate")
+    if regenerated and (extras or config["regenerate"]["synthetic_prompts"]):
         data["train"] = dict(
             data["train"], max_samples=None, allow_truncated_json=False
         )

@@ -984,3 +984,29 @@ def test_synthetic_prompts_count_towards_the_samples_the_shards_can_take():
     config["extract"]["shards"] = 16
     [line] = preflight.setting_problems(config, None)
     assert line.startswith("config key extract.shards: 16 shards for at most 15 samples")
+    assert (
+        "(data.train.max_samples and data.extra_train's and regenerate.synthetic_prompts)" in line
+    )
+
+
+# Catches: synthetic prompts counted only beside data.extra_train. Without extra files too,
+# prepare reads the regenerated file whole once it holds synthetic prompts (prepare_section),
+# so they add to data.train.max_samples; without them the cap stands.
+def test_synthetic_prompts_add_to_data_train_alone_too():
+    config = settings(
+        data__train={"path": "t.jsonl", "max_samples": 3},
+        regenerate__enabled=True,
+        regenerate__synthetic_prompts=10,
+        extract__shards=13,
+    )
+    assert preflight.setting_problems(config, None) == []  # up to 3 + 10 samples
+    config["extract"]["shards"] = 14
+    [line] = preflight.setting_problems(config, None)
+    assert line.startswith(
+        "config key extract.shards: 14 shards for at most 13 samples (data.train.max_samples "
+        "and regenerate.synthetic_prompts)"
+    )
+    config["regenerate"]["synthetic_prompts"] = 0
+    config["extract"]["shards"] = 4
+    [line] = preflight.setting_problems(config, None)
+    assert line.startswith("config key extract.shards: 4 shards for at most 3 samples (data.")

@@ -319,12 +319,17 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
     }
     # regenerate.synthetic_prompts: 0 is how this build was made (the rule leaves the keys out
     # of its parameters while it is 0, system prompts included); sampling some would
-    # regenerate, and what follows
+    # regenerate, and what follows, and prepare would read the regenerated file whole (the
+    # synthetic conversations are spread among data.train's max_samples ones: its cap would
+    # cut both kinds' last ones)
     system = "synthetic_system_prompts: [null, Write code.]"
     for section, planned in ((f"0, {system}", False), ("3", True)):
         extra = tmp_path / "synthetic.yaml"
         extra.write_text(f"regenerate: {{synthetic_prompts: {section}}}\n")
         plan = run_snakemake(
-            tmp_path, None, "-n", "--configfile", str(preset), str(overlay), str(extra)
-        )
+            tmp_path, None, "-n", "-p", "--forcerun", "prepare",
+            "--configfile", str(preset), str(overlay), str(extra),
+        )  # fmt: skip
         assert ("regenerate" in job_counts(plan.stdout)) is planned, plan.stdout
+        [data] = re.findall(r"/prepare\.py .*? --data '(\{.*?\})' ", plan.stdout)
+        assert json.loads(data)["train"]["max_samples"] == (None if planned else 6), data
