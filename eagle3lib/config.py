@@ -239,12 +239,14 @@ class TrainConfig:
     gpus: int = 0
 
 
-def process_threads(loader_threads: int) -> int:
+def process_threads(loader_threads: int, loader_workers: int = 0) -> int:
     """The cores one train process (one per GPU of a node) asks for: its training thread and
-    its ``loader_threads`` batch-loading threads. torch's intra-op threads are held to as many
-    (scripts/train.py), so that beside other jobs' busy processes the process does not run more
-    threads than the cores it was given."""
-    return 1 + loader_threads
+    its ``loader_threads`` batch-loading threads, or with ``loader_workers`` DataLoader worker
+    processes (train.loader_workers, which then replace the threads) one core for each of
+    them, as speculators' worker set-up holds each to one thread. torch's intra-op threads
+    are held to the training thread's share (scripts/train.py), so that beside other jobs'
+    busy processes the process does not run more threads than the cores it was given."""
+    return 1 + (loader_workers or loader_threads)
 
 
 @dataclasses.dataclass(frozen=True)

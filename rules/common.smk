@@ -346,6 +346,14 @@ def train_section():
     return section("train", drop=(*resource, *gram, *auto))
 
 
+def train_threads():
+    """The train job's threads: per process (one per GPU of a node) its training thread and
+    its batch-loading threads or DataLoader workers (config.process_threads)."""
+    train = config["train"]
+    processes = max(1, train["gpus"])
+    return processes * process_threads(train["loader_threads"], train["loader_workers"])
+
+
 def train_resources():
     """The train job's resources. On one node its GPUs are the standard `gpu` resource (sbatch
     --gpus=N; the workstation profile's cap may lower it). On several (train.nodes > 1, SLURM

@@ -24,8 +24,7 @@ rule train:
         benchmark("train")
     conda:
         "../envs/train.yaml"
-    # per process (one per GPU of a node): its training thread and its batch-loading threads
-    threads: max(1, config["train"]["gpus"]) * process_threads(config["train"]["loader_threads"])
+    threads: train_threads()
     resources:
         **train_resources(),
     params:

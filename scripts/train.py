@@ -70,9 +70,10 @@ def main() -> None:
 
     phases.mark("imported")
 
-    if a.threads:
-        torch.set_num_threads(max(1, a.threads // max(processes, 1)))
     cfg = from_json(TrainConfig, a.train)
+    if a.threads:  # a process's share, less its DataLoader workers' cores
+        share = a.threads // max(processes, 1)
+        torch.set_num_threads(max(1, share - cfg.loader_workers))
     cfg = train.with_loader_threads(cfg, a.loader_threads, a.threads, processes)
     if a.keep_states is not None:
         cfg = dataclasses.replace(cfg, keep_states=a.keep_states)

@@ -351,6 +351,7 @@ def test_small_derived_settings():
     assert forward_dtype("auto", gpu=False) == "float32"
     assert forward_dtype("float16", gpu=False) == "float16"
     assert process_threads(4) == 5 and process_threads(0) == 1
+    assert process_threads(4, loader_workers=12) == 13 and process_threads(0, 2) == 3
     assert EvaluateConfig(k=[3, 5]).k_values == [3, 5]
     assert EvaluateConfig(k=4).k_values == [4]
 

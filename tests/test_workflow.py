@@ -281,6 +281,22 @@ def test_keep_states_reruns_nothing_and_reaches_the_train_command(ws):
     assert " --keep-states 1 " in ws.run("-n", "-p", "--forcerun", "train")
 
 
+def test_train_threads_count_the_loader_threads_or_the_dataloader_workers(ws):
+    """The train job asks for its training thread and its loader threads per process, or with
+    train.loader_workers one thread per worker process instead (they replace the threads).
+    Dry runs: the results stay as they were."""
+    ws.write(train={"loader_threads": 1})
+    threads = ws.run("-n", "-p", "--forcerun", "train", "--cores", "8")
+    ws.write(train={"loader_threads": 1, "loader_workers": 4})
+    workers = ws.run("-n", "-p", "--forcerun", "train", "--cores", "8")
+    for key in ("loader_threads", "loader_workers"):
+        ws.overrides["train"].pop(key)
+    ws.write()
+    assert " --threads 2 " in threads, threads
+    assert " --threads 5 " in workers, workers
+    assert "Nothing to be done" in ws.run("-n")
+
+
 def test_dedupe_off_reruns_nothing_and_on_reruns_from_prepare(ws):
     """data.train.dedupe: false is how every run before the key was made (the rules' parameters
     leave it out); true changes the prepared samples, so prepare and what follows rerun. The
