@@ -136,8 +136,11 @@ def extract_with_vllm(
     ]
     env = serve.engine_env(engine.get("cpu_kvcache_gib", 1))
     log_path = shard_path.parent / f"vllm-server-{shard_path.stem}.log"
+    timeout = engine.get("startup_timeout", 900)  # vllm.startup_timeout, as every vLLM job's
     try:
-        with serve.VllmServer(vllm_python, record["load_path"], args, log_path, env) as server:
+        with serve.VllmServer(
+            vllm_python, record["load_path"], args, log_path, env, timeout
+        ) as server:
             return extract_samples_vllm(
                 server, ids, masks, record["hidden_size"], len(layer_ids), cfg, shard_path, metadata
             )

@@ -1,5 +1,7 @@
 import math
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +30,26 @@ def two_layer_draft(pipeline):
     cfg = TrainConfig(num_layers=2, draft_vocab_size=256)
     model = train.build_draft(cfg, pipeline["record"], AUX, pipeline["vocab_map"], "sdpa")
     assert len(model.layers) == 2
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def unnormed_draft(pipeline):
+    """A draft without the input norm before its fc layer and with the LM head's norm kept
+    off its hidden output (train.norm_before_fc, train.norm_output: false), randomly
+    initialised as speculators builds it; with a norm of each aux layer's states instead
+    (speculators' fc_norm: build_draft never sets it, another trainer's checkpoint may),
+    made here as speculators makes it, with random weights."""
+    from eagle3lib.config import TrainConfig
+
+    torch.manual_seed(1)
+    cfg = TrainConfig(draft_vocab_size=256, norm_before_fc=False, norm_output=False)
+    model = train.build_draft(cfg, pipeline["record"], AUX, pipeline["vocab_map"], "sdpa")
+    assert model.input_norm is None and model.fc_norm is None and not model.config.norm_output
+    norm, eps = type(model.norm), model.config.transformer_layer_config.rms_norm_eps
+    model.fc_norm = torch.nn.ModuleList([norm(model.hidden_size, eps=eps) for _ in AUX])
+    for n in model.fc_norm:
+        torch.nn.init.uniform_(n.weight, 0.5, 1.5)
     return model.float().eval()
 
 
@@ -115,12 +137,13 @@ def sample_states(pipeline):
     return sample["hidden_states"][:, :-1].flatten(1).float(), sample["input_ids"].long()
 
 
-@pytest.mark.parametrize("layers", ["draft", "two_layer_draft"])
+@pytest.mark.parametrize("layers", ["draft", "two_layer_draft", "unnormed_draft"])
 @pytest.mark.parametrize("window", [None, 6])
 def test_incremental_proposals_equal_speculators_forward(pipeline, request, layers, window):
     """The incremental drafter (its own KV cache across calls, one pass per proposal) computes
     the logits of speculators' forward, also with a sliding window shorter than the context
-    (on the first layer only, for two layers) and with a draft of two layers."""
+    (on the first layer only, for two layers), with a draft of two layers and with one without
+    the optional norms."""
     import copy
 
     draft = request.getfixturevalue(layers)
@@ -186,20 +209,25 @@ def test_incremental_proposals_follow_the_drafts_train_settings(pipeline, settin
 def test_a_new_sequence_without_reset_proposes_as_a_fresh_drafter(pipeline, draft):
     """A sequence that differs from the cached one at its first token (another prompt, no
     ``reset``): the whole cache is dropped, as for a fresh drafter (transformers' cache
-    ``crop(0)`` keeps everything, so dropping it all must not go through it)."""
+    ``crop(0)`` keeps everything, so dropping it all must not go through it), down to the
+    logits. The same context asked again is proposed for again, as the first time."""
     aux, ids = sample_states(pipeline)
     drafter = Drafter(draft)
     drafter.propose(aux[:20], ids[:21], 3)
     other_aux, other_ids = aux.flip(0), ids.flip(0)
-    assert drafter.propose(other_aux[:9], other_ids[:10], 3) == Drafter(draft).propose(
-        other_aux[:9], other_ids[:10], 3
-    )
+    (got, got_rows), (want, want_rows) = [
+        draft_logits(draft, partial(d.propose, other_aux[:9], other_ids[:10], 3))
+        for d in (drafter, Drafter(draft))
+    ]
+    assert got == want
+    torch.testing.assert_close([r[-1] for r in got_rows], [r[-1] for r in want_rows])
     assert drafter.cache.get_seq_length() == 9
+    assert drafter.propose(other_aux[:9], other_ids[:10], 3) == want
 
 
 def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
-    """One pass over the positions new since the last call, then one single-position pass per
-    further proposal (was k(k+1)/2 passes over the whole context)."""
+    """One pass over the positions new since the last call (the last one at least), then one
+    single-position pass per further proposal (was k(k+1)/2 passes over the whole context)."""
     aux, ids = sample_states(pipeline)
     lengths = []
     hook = draft.layers[0].register_forward_hook(lambda m, args, out: lengths.append(out.shape[1]))
@@ -210,8 +238,53 @@ def test_proposing_k_tokens_costs_k_draft_passes(pipeline, draft):
         lengths.clear()
         drafter.propose(aux[:13], ids[:14], 5)  # three tokens accepted since
         assert lengths == [3, 1, 1, 1, 1]
+        lengths.clear()
+        drafter.propose(aux[:13], ids[:14], 2)  # the same context: only its last position
+        assert lengths == [1, 1]
     finally:
         hook.remove()
+
+
+def test_eager_attention_drafts_incrementally_as_sdpa_does(pipeline, draft):
+    """Drafter with eager attention (additive masks, as speculators' create_float_mask) computes
+    the logits and proposals of the sdpa drafter, over a growing prompt and with a sliding
+    window shorter than the context."""
+    import copy
+
+    eager = checkpoint.load_draft(
+        pipeline["checkpoint"], pipeline["record"], "eager", torch.float32
+    )
+    aux, ids = sample_states(pipeline)
+    for window in (None, 6):
+        pair = [copy.copy(draft), eager if window is None else copy.copy(eager)]
+        for d in pair:
+            d.sliding_window, d.sliding_window_indices = window, [0] if window else []
+        drafters = [Drafter(d) for d in pair]
+        assert [d.attention for d in drafters] == ["sdpa", "eager"]
+        for n in (5, 9, 17):
+            runs = [
+                draft_logits(d.draft, partial(d.propose, aux[:n], ids[: n + 1], 3))
+                for d in drafters
+            ]
+            (want, want_rows), (got, got_rows) = runs
+            assert got == want
+            torch.testing.assert_close(
+                torch.stack([r[-1] for r in got_rows]), torch.stack([r[-1] for r in want_rows])
+            )
+
+
+def test_incremental_drafting_refuses_flex_attention(pipeline):
+    from eagle3lib.config import TrainConfig
+
+    cfg = TrainConfig(draft_vocab_size=256)
+    flex = train.build_draft(
+        cfg, pipeline["record"], AUX, pipeline["vocab_map"], "simple_flex_attention"
+    )
+    with pytest.raises(ValueError) as refused:
+        Drafter(flex)
+    assert str(refused.value) == (
+        "incremental drafting needs sdpa or eager attention, not simple_flex_attention"
+    )
 
 
 def prompts(tokenizer, n=3):
@@ -710,3 +783,30 @@ def test_evaluate_leaves_no_hooks_and_keeps_per_prompt_records_only_for_the_head
     with pytest.raises(KeyError, match="token_ids"):
         evaluate.evaluate(verifier_model, draft, tokenizer, broken, cfg, AUX, log=lambda m: None)
     assert hook_count(verifier_model) == before
+
+
+class _DraftStandIn:
+    """What Drafter reads of a draft before it drafts (a real one's d2t is its vocab map;
+    one without a map proposes verifier ids directly)."""
+
+    def __init__(self, d2t=None):
+        if d2t is not None:
+            self.d2t = d2t
+        self.config = SimpleNamespace(
+            transformer_layer_config=SimpleNamespace(_attn_implementation="sdpa")
+        )
+
+    def parameters(self):
+        return iter([torch.zeros(1, dtype=torch.bfloat16)])
+
+
+def test_draft_ids_become_verifier_ids_through_the_vocab_map_if_there_is_one():
+    """Drafter: draft id i is verifier id i + d2t[i]; the draft's vocabulary is every one of
+    them, None without a map (every verifier id); the verifier's states are cast to the
+    draft's dtype."""
+    mapped = Drafter(_DraftStandIn(torch.tensor([5, 5, 0, 7])))
+    assert mapped.to_verifier_ids(torch.tensor([2, 0, 3])).tolist() == [2, 5, 10]
+    assert mapped.vocabulary() == {5, 6, 2, 10} and mapped.dtype == torch.bfloat16
+    plain = Drafter(_DraftStandIn())
+    assert plain.to_verifier_ids(torch.tensor([2, 0])).tolist() == [2, 0]
+    assert plain.vocabulary() is None
