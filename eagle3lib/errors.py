@@ -6,6 +6,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import shutil
 import signal
 import sys
@@ -39,6 +40,8 @@ GPU_MEMORY_KEYS = {
 }
 
 
+# How safetensors (a Rust library) names the system's error of a failed write: "... (os error 28)".
+OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")
 # Free space below which torch.save's failed write (a RuntimeError naming no cause, not an
 # OSError) is taken for a full disk.
 NEARLY_FULL_BYTES = 64 << 20
@@ -49,7 +52,8 @@ TORCH_WRITE_FAILED = ("unexpected pos", "iostream error", "file write failed")
 def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None:
     """``exc``, a failed write into the folder ``where``, as the OSError of a full disk naming
     ``where`` (what ``cli`` prints as one line), or None when the disk is not what failed:
-    an OSError of a full disk; safetensors' error naming os error 28; torch's zip writer
+    an OSError of a full disk; safetensors' error naming the errno of one (os error 28, or
+    122 for a quota, 27 for a file size limit, on Linux); torch's zip writer
     failing while less than NEARLY_FULL_BYTES are free, or while a probe write into ``where``
     fails as on a full disk (a quota, a file size limit: ``_write_refused``), its own first
     line kept. A UserError already says what to do: it is not one."""
@@ -60,8 +64,10 @@ def as_disk_full(exc: BaseException, where: str | os.PathLike) -> OSError | None
             return None
         return exc if exc.filename else OSError(exc.errno, exc.strerror, str(where))
     text = str(exc)
-    if "os error 28" in text or "No space left on device" in text:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    named = [int(n) for n in OS_ERROR_NUMBER.findall(text) if int(n) in DISK_FULL]
+    if named or "No space left on device" in text:
+        code = named[0] if named else errno.ENOSPC
+        return OSError(code, os.strerror(code), str(where))
     if not isinstance(exc, RuntimeError) or _gpu_out_of_memory(exc):
         return None
     if not any(sign in text for sign in TORCH_WRITE_FAILED):
