@@ -87,7 +87,10 @@ def main() -> None:
         serve.from_folder(checkpoint, run_dir),
         result["k"],
         record["trust_remote_code"],
-        serve.engine_env()["VLLM_CPU_KVCACHE_SPACE"] if serve.on_cpu() else None,
+        # the KV cache serve_check's server had (serve.serve_check: vllm.cpu_kvcache_gib)
+        serve.engine_env(engine.get("cpu_kvcache_gib", 1))["VLLM_CPU_KVCACHE_SPACE"]
+        if serve.on_cpu()
+        else None,
     )
     write_json(a.out, result)
     print(json.dumps(result, indent=2))
