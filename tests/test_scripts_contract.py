@@ -571,7 +571,7 @@ def train_job(tmp_path, monkeypatch, *, rank=0, torchrun=None):
     return module, calls, state
 
 
-TRAIN_SECTION = {"epochs": 3, "seed": 7, "loader_threads": 4, "keep_states": 1}
+TRAIN_SECTION = {"epochs": 3, "seed": 7, "loader_threads": 4, "keep_states": 1, "loader_workers": 1}
 
 
 @pytest.mark.parametrize(
@@ -598,7 +598,7 @@ def test_train_hands_its_arguments_and_writes_card_summary_and_provenance(
     assert args[:2] == (2 if "--nodes" in given else 1, processes)
     assert args[2] == [module.__file__, *map(str, argv)]
     assert called(calls, "hash") == (([tmp_path / "s0", tmp_path / "s1"],), {})
-    assert called(calls, "threads") == ((12 // processes,), {})
+    assert called(calls, "threads") == ((12 // processes - 1,), {})  # less its loader worker
     args, kwargs = called(calls, "train")
     assert args[0] == TrainConfig(**{**TRAIN_SECTION, "keep_states": 4,
                                      "loader_threads": min(4, 12 // processes - 1)})  # fmt: skip
