@@ -273,7 +273,9 @@ def with_loader_threads(cfg, configured: int | None, threads: int, processes: in
 
 
 # train.* keys that do not change what is trained (its state stays resumable when they change)
-RESOURCE_KEYS = ("gpus", "checkpoint_freq", "keep_states", "loader_threads", "graph_step")
+RESOURCE_KEYS = (
+    "gpus", "checkpoint_freq", "keep_states", "loader_threads", "loader_workers", "graph_step",
+)  # fmt: skip
 
 
 def _expected_shards(manifests: list[dict], record: dict[str, Any]) -> dict[str, Any]:
@@ -314,8 +316,8 @@ def _fingerprint(
     cfg, manifests: list[dict], vocab_map: dict, runtime: dict, layout: str | None = None
 ) -> dict[str, Any]:
     """What the trained state depends on: a state folder made with another is not resumed.
-    How often state is saved, on how many GPUs and by how many loader threads do not change
-    what is trained; speculators' packing is left out as before the option existed.
+    How often state is saved, on how many GPUs and by how many loader threads or DataLoader
+    workers (the same batches) do not change what is trained; speculators' packing is left out as before the option existed.
     ``layout`` (``muon_layout``): the saved optimiser state's layout where it is not
     speculators' (a mixed draft's has one optimiser more), so a folder of the other layout
     starts afresh instead of failing to load."""

@@ -333,16 +333,17 @@ def extract_section():
 
 
 def train_section():
-    """The train section as its rule's parameter: GPU, node and loader-thread counts are
-    resources (like the GPUs of one node, the nodes set how many processes share the work);
-    so is keep_states (how many epochs' states stay on the disk: nothing trained changes);
+    """The train section as its rule's parameter: GPU, node, loader-thread and loader-worker
+    counts are resources (like the GPUs of one node, the nodes set how many processes share
+    the work; the loader's threads and worker processes build the same batches); so is
+    keep_states (how many epochs' states stay on the disk: nothing trained changes);
     newton_schulz only when not gram and graph_step only when not auto, their defaults (runs
     made before the keys stay current).
     """
     train = config["train"]
     gram = ("newton_schulz",) if train["newton_schulz"] == "gram" else ()
     auto = ("graph_step",) if train["graph_step"] == "auto" else ()
-    resource = ("gpus", "nodes", "loader_threads", "keep_states")
+    resource = ("gpus", "nodes", "loader_threads", "loader_workers", "keep_states")
     return section("train", drop=(*resource, *gram, *auto))
 
 
@@ -365,12 +366,14 @@ def train_resources():
     no plugin reads it. The command line is the same for any train.nodes: a changed count
     reruns nothing (Snakemake reruns a job whose command text changed). `keep_states`
     (train.keep_states) reaches the command line the same way: it sets what the job leaves
-    on the disk, not what it trains, so a changed value reruns nothing either."""
+    on the disk, not what it trains, so a changed value reruns nothing either; so do
+    `loader_threads` and `loader_workers` (how the batches are built, not which)."""
     train = config["train"]
     resources = {
         "nodes": train["nodes"],
         "node_gpus": train["gpus"],
         "loader_threads": train["loader_threads"],
+        "loader_workers": train["loader_workers"],
         "keep_states": train["keep_states"],
     }
     if train["nodes"] == 1:

@@ -38,6 +38,7 @@ rule train:
         " --train {params.train:q} --state-dir {params.state} --gpus {resources.gpu}"
         " --nodes {resources.nodes} --node-gpus {resources.node_gpus}"
         " --threads {threads} --loader-threads {resources.loader_threads}"
+        " --loader-workers {resources.loader_workers}"
         " --keep-states {resources.keep_states}"
         " --out-config {output.config} --out-weights {output.weights}"
         " --out-card {output.card} --out-summary {output.summary}"

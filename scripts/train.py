@@ -35,6 +35,7 @@ def parse():
     p.add_argument("--node-gpus", type=int, default=0, help="with --nodes > 1: GPUs per node")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--loader-threads", type=int, default=None, help="train.loader_threads")
+    p.add_argument("--loader-workers", type=int, default=None, help="train.loader_workers")
     p.add_argument("--keep-states", type=int, default=None, help="train.keep_states")
     p.add_argument("--out-config", type=Path, required=True)
     p.add_argument("--out-weights", type=Path, required=True)
@@ -71,6 +72,8 @@ def main() -> None:
     phases.mark("imported")
 
     cfg = from_json(TrainConfig, a.train)
+    if a.loader_workers is not None:
+        cfg = dataclasses.replace(cfg, loader_workers=a.loader_workers)
     if a.threads:  # a process's share, less its DataLoader workers' cores
         share = a.threads // max(processes, 1)
         torch.set_num_threads(max(1, share - cfg.loader_workers))

@@ -576,7 +576,11 @@ TRAIN_SECTION = {"epochs": 3, "seed": 7, "loader_threads": 4, "keep_states": 1, 
 
 @pytest.mark.parametrize(
     ("given", "processes"),
-    [([], 2), (["--processes", 1], 1), (["--nodes", 2, "--node-gpus", 3], 3)],
+    [
+        ([], 2),
+        (["--processes", 1, "--loader-workers", 2], 1),
+        (["--nodes", 2, "--node-gpus", 3], 3),
+    ],
 )
 def test_train_hands_its_arguments_and_writes_card_summary_and_provenance(
     tmp_path, monkeypatch, capfd, written, record, given, processes
@@ -598,9 +602,11 @@ def test_train_hands_its_arguments_and_writes_card_summary_and_provenance(
     assert args[:2] == (2 if "--nodes" in given else 1, processes)
     assert args[2] == [module.__file__, *map(str, argv)]
     assert called(calls, "hash") == (([tmp_path / "s0", tmp_path / "s1"],), {})
-    assert called(calls, "threads") == ((12 // processes - 1,), {})  # less its loader worker
+    # --loader-workers (the rule's resource) over the section's
+    workers = 2 if "--loader-workers" in given else TRAIN_SECTION["loader_workers"]
+    assert called(calls, "threads") == ((12 // processes - workers,), {})  # less its workers
     args, kwargs = called(calls, "train")
-    assert args[0] == TrainConfig(**{**TRAIN_SECTION, "keep_states": 4,
+    assert args[0] == TrainConfig(**{**TRAIN_SECTION, "keep_states": 4, "loader_workers": workers,
                                      "loader_threads": min(4, 12 // processes - 1)})  # fmt: skip
     assert args[1]["name"] == "tiny" and args[4] == "VOCAB"
     assert args[2:4] == ([tmp_path / "s0", tmp_path / "s1"], [tmp_path / "m0", tmp_path / "m1"])

@@ -56,7 +56,7 @@ FINGERPRINT_PARTS = (
 
 def test_the_resume_fingerprint_ignores_only_the_resource_keys():
     """A state folder is resumed after a change of train.gpus, checkpoint_freq, keep_states,
-    loader_threads or graph_step (how the run is carried out), not of a key that changes
+    loader_threads, loader_workers or graph_step (how the run is carried out), not of a key that changes
     what is trained; multipack packing is left out (as before the key existed), ffd is not;
     the shards, the vocab map and the runtime are in it."""
     cfg = TrainConfig(packing="multipack")
@@ -65,7 +65,7 @@ def test_the_resume_fingerprint_ignores_only_the_resource_keys():
     assert base["shards"] == ["ab", "cd"]
     assert base["runtime"] == {"attention": "sdpa", "loss": "eager"}
     resources = {"gpus": 2, "checkpoint_freq": 0.5, "keep_states": 3, "loader_threads": 1,
-                 "graph_step": True}  # fmt: skip
+                 "loader_workers": 2, "graph_step": True}  # fmt: skip
     assert set(resources) == set(train.RESOURCE_KEYS)
 
     def changed(**change):

@@ -284,16 +284,21 @@ def test_keep_states_reruns_nothing_and_reaches_the_train_command(ws):
 def test_train_threads_count_the_loader_threads_or_the_dataloader_workers(ws):
     """The train job asks for its training thread and its loader threads per process, or with
     train.loader_workers one thread per worker process instead (they replace the threads).
-    Dry runs: the results stay as they were."""
+    Both are resources: a changed count reruns nothing (the same batches), and a forced train
+    job's command carries them. Dry runs: the results stay as they were."""
+    stamp = ws.results / "checkpoint" / "provenance-train.json"
+    assert "loader_workers" not in stamp.read_text()
     ws.write(train={"loader_threads": 1})
     threads = ws.run("-n", "-p", "--forcerun", "train", "--cores", "8")
     ws.write(train={"loader_threads": 1, "loader_workers": 4})
+    unchanged = ws.run("-n")
     workers = ws.run("-n", "-p", "--forcerun", "train", "--cores", "8")
     for key in ("loader_threads", "loader_workers"):
         ws.overrides["train"].pop(key)
     ws.write()
-    assert " --threads 2 " in threads, threads
-    assert " --threads 5 " in workers, workers
+    assert " --threads 2 --loader-threads 1 --loader-workers 0 " in threads, threads
+    assert " --threads 5 --loader-threads 1 --loader-workers 4 " in workers, workers
+    assert "Nothing to be done" in unchanged and job_counts(unchanged) == {}, unchanged
     assert "Nothing to be done" in ws.run("-n")
 
 
