@@ -322,6 +322,9 @@ def _fingerprint(
     speculators' (a mixed draft's has one optimiser more), so a folder of the other layout
     starts afresh instead of failing to load."""
     trained = {k: v for k, v in vars(cfg).items() if k not in RESOURCE_KEYS}
+    # recorded at its default, as folders saved before it was a resource key did (the usual
+    # 0): those resume too, after the train rule's command changed
+    trained["loader_workers"] = 0
     trained.pop("newton_schulz", None)  # in ``layout`` where it applies (a GPU)
     if trained["packing"] == "multipack":
         del trained["packing"]

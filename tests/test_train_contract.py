@@ -56,12 +56,15 @@ FINGERPRINT_PARTS = (
 
 def test_the_resume_fingerprint_ignores_only_the_resource_keys():
     """A state folder is resumed after a change of train.gpus, checkpoint_freq, keep_states,
-    loader_threads, loader_workers or graph_step (how the run is carried out), not of a key that changes
-    what is trained; multipack packing is left out (as before the key existed), ffd is not;
-    the shards, the vocab map and the runtime are in it."""
+    loader_threads, loader_workers or graph_step (how the run is carried out), not of a key
+    that changes what is trained; multipack packing is left out (as before the key existed),
+    ffd is not; loader_workers is recorded as 0 whatever its count (as folders saved before
+    it was a resource key recorded the default); the shards, the vocab map and the runtime
+    are in it."""
     cfg = TrainConfig(packing="multipack")
     base = train._fingerprint(cfg, *FINGERPRINT_PARTS)
     assert "packing" not in base["train"] and "newton_schulz" not in base["train"]
+    assert base["train"]["loader_workers"] == 0  # as folders saved before it was a resource
     assert base["shards"] == ["ab", "cd"]
     assert base["runtime"] == {"attention": "sdpa", "loss": "eager"}
     resources = {"gpus": 2, "checkpoint_freq": 0.5, "keep_states": 3, "loader_threads": 1,
