@@ -317,7 +317,8 @@ def _fingerprint(
 ) -> dict[str, Any]:
     """What the trained state depends on: a state folder made with another is not resumed.
     How often state is saved, on how many GPUs and by how many loader threads or DataLoader
-    workers (the same batches) do not change what is trained; speculators' packing is left out as before the option existed.
+    workers (the same batches) do not change what is trained; speculators' packing is left
+    out as before the option existed.
     ``layout`` (``muon_layout``): the saved optimiser state's layout where it is not
     speculators' (a mixed draft's has one optimiser more), so a folder of the other layout
     starts afresh instead of failing to load."""
@@ -553,6 +554,7 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         "processes": world_size(),
         "fsdp": bool(cfg.fsdp and world_size() > 1),
         "graph_step": cfg.graph_step,
+        "batch_loading": batch_loading(trainer),
         # this rank's peak over the run, validation included (a graphed step keeps its
         # memory reserved for the run, so validation's comes on top of it); None on a CPU
         "gpu_memory_peak_bytes": {
@@ -572,6 +574,15 @@ def _run_stats(cfg, shards, pairs, aux, runtime, trainer, seconds: float) -> dic
         if seconds
         else None,
     }
+
+
+def batch_loading(trainer) -> dict[str, int]:
+    """What built the training batches: DataLoader worker processes (train.loader_workers) or
+    the StreamingTrainer's loader threads (train.loader_threads; speculators' own trainer
+    and 0 threads: its training thread)."""
+    workers = trainer.train_loader.num_workers
+    threads = 0 if workers else getattr(trainer, "loader_threads", 0)
+    return {"loader_workers": workers, "loader_threads": threads}
 
 
 def compile_seconds() -> float | None:

@@ -96,6 +96,7 @@ class _Shard:
 def _trainer(**extra):
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     clock = SimpleNamespace(seconds={"steps": 1.23456, "saves": 0.5})
+    extra = {"train_loader": SimpleNamespace(num_workers=0), "loader_threads": 3, **extra}
     return SimpleNamespace(optimizers=[opt], phase_clock=clock, **extra)
 
 
@@ -115,6 +116,7 @@ def test_the_run_statistics_say_what_was_trained_and_where_the_time_went(monkeyp
         "aux_layer_ids": [2, 4], "attention": "sdpa", "loss_implementation": "eager",
         "dtype": "float32", "device": "cpu", "optimizers": ["AdamW"], "processes": 1,
         "fsdp": False, "graph_step": False, "gpu_memory_peak_bytes": None,
+        "batch_loading": {"loader_workers": 0, "loader_threads": 3},
         "phase_seconds": {"steps": 1.235, "saves": 0.5}, "first_step_seconds": 2.235,
         "data_wait_fraction": 0.25,
     }  # fmt: skip
@@ -124,6 +126,17 @@ def test_the_run_statistics_say_what_was_trained_and_where_the_time_went(monkeyp
     assert (stats["first_step_seconds"], stats["data_wait_fraction"]) == (None, None)
     stats = train._run_stats(cfg, shards, pairs, [2, 4], runtime, _trainer(), 4.0)
     assert (stats["first_step_seconds"], stats["data_wait_fraction"]) == (None, 0.0)
+    # DataLoader workers build the batches instead of the threads; speculators' own trainer
+    # (no loader threads) on its training thread
+    for loader, threads, expected in (
+        (SimpleNamespace(num_workers=2), 3, {"loader_workers": 2, "loader_threads": 0}),
+        (SimpleNamespace(num_workers=0), None, {"loader_workers": 0, "loader_threads": 0}),
+    ):
+        other = _trainer(train_loader=loader, loader_threads=threads)
+        if threads is None:
+            del other.loader_threads
+        stats = train._run_stats(cfg, shards, pairs, [2, 4], runtime, other, 4.0)
+        assert stats["batch_loading"] == expected
     # two processes: sharded only where the config asks for it
     monkeypatch.setattr(train, "world_size", lambda: 2)
     for fsdp in (False, True):

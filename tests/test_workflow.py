@@ -369,12 +369,23 @@ ARTIFACTS = (
 def test_clean_rebuild_gives_identical_bytes(ws, tmp_path):
     """Same config and seed on CPU, a clean working directory: the same bytes. Built up to the
     checkpoint, the last of the compared artifacts (what follows it reads them, and the first
-    run's test checks it)."""
+    run's test checks it). The rebuild trains with a DataLoader worker process
+    (train.loader_workers 1, a resource), the first run with the training process's loader
+    threads: the same batches, so the same checkpoint."""
+    import yaml
+
+    settings = yaml.safe_load(ws.config.read_text())
+    settings["train"]["loader_workers"] = 1
     config = tmp_path / "config.yaml"
-    config.write_text(ws.config.read_text())
+    config.write_text(yaml.safe_dump(settings))
     proc = run_snakemake(tmp_path, config, "results/t/checkpoint/model.safetensors")
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts.get("train") == 1 and counts.get("extract") == 2 and "evaluate" not in counts
+    summaries = [
+        json.loads((r / "train/summary.json").read_text())
+        for r in (tmp_path / "results/t", ws.results)
+    ]
+    assert [s["batch_loading"]["loader_workers"] for s in summaries] == [1, 0], summaries
     for artifact in ARTIFACTS:
         what = artifact
         if artifact.startswith("checkpoint/"):  # where training differed first, if it did
