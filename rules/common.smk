@@ -726,16 +726,37 @@ def undo_planning_edits():
 # ---- checks before the first job: mistakes knowable now never cost a run ---------------------
 
 
+def current_record(job):
+    """Whether ``job``'s provenance record is there and current: not marked stale
+    (forget_stale_artifacts dates it 1970) and made with this config's stamp."""
+    record = Path(PROVENANCE[job])
+    return (
+        record.is_file()
+        and record.stat().st_mtime >= 2
+        and not stale_reason(record, stamp(job))
+    )
+
+
 def prepared_samples():
     """How many training samples the current prepare made (samples.json), or None when it has
-    not run, or its samples are stale and will be made again."""
-    info, record = Path(SAMPLES_INFO), Path(PROVENANCE["prepare"])
-    if not (info.is_file() and record.is_file() and Path(VERIFIER).is_file()):
+    not run, or its samples are stale and will be made again: its record or (with
+    regeneration, whose stamp holds the training files prepare's leaves out) regenerate's is
+    stale, or the verifier or the regenerated conversations are newer than the samples.
+    """
+    info = Path(SAMPLES_INFO)
+    if not (info.is_file() and Path(VERIFIER).is_file()):
         return None
-    if record.stat().st_mtime < 2 or stale_reason(record, stamp("prepare")):
-        return None  # marked stale (forget_stale_artifacts)
-    if info.stat().st_mtime < Path(VERIFIER).stat().st_mtime:
-        return None  # the verifier is newer: prepare runs again
+    regenerated = runs("regenerate")
+    if not current_record("prepare") or (
+        regenerated and not current_record("regenerate")
+    ):
+        return None
+    newer = [VERIFIER, REGENERATED] if regenerated else [VERIFIER]
+    if any(
+        Path(f).is_file() and info.stat().st_mtime < Path(f).stat().st_mtime
+        for f in newer
+    ):
+        return None  # prepare runs again
     try:
         return int(json.loads(info.read_text(encoding="utf-8"))["samples"])
     except (OSError, ValueError, KeyError, TypeError):
