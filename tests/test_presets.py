@@ -333,3 +333,19 @@ def test_smollm2_gpu_preset_runs_a_cpu_slice(tmp_path):
         assert ("regenerate" in job_counts(plan.stdout)) is planned, plan.stdout
         [data] = re.findall(r"/prepare\.py .*? --data '(\{.*?\})' ", plan.stdout)
         assert json.loads(data)["train"]["max_samples"] == (None if planned else 6), data
+    # a changed verifier section makes verifier.json stale: a package verifier has no input
+    # file that could be newer than its record, so planning removes the record and
+    # everything is rebuilt from the verifier on, also where Snakemake's records of the
+    # parameters are gone (results moved without .snakemake/: only the files' times count
+    # here); a dry run puts the record back
+    record = results / "verifier" / "verifier.json"
+    before = record.read_bytes()
+    extra.write_text("verifier: {name: renamed-smollm2}\n")
+    plan = run_snakemake(
+        tmp_path, None, "-n", "--rerun-triggers", "mtime",
+        "--configfile", str(preset), str(overlay), str(extra),
+    )  # fmt: skip
+    said = plan.stdout + plan.stderr
+    assert "rebuilding it and everything after it" in said, said
+    assert {"verifier", "prepare", "vocab", "train", "evaluate"} <= set(job_counts(said)), said
+    assert record.read_bytes() == before
