@@ -317,11 +317,37 @@ def _raise_exit(signum, _frame):
 
 
 def group_alive(pgid: int) -> bool:
+    """Whether a process of the group ``pgid`` runs. A zombie (ended, not yet reaped: an
+    orphan's new parent, PID 1 or a subreaper, may reap late) holds nothing and does not
+    count; Linux's /proc tells them apart, elsewhere any member counts."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
+    if not os.path.isdir("/proc"):
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def left_running(pgid: int, grace: float = 2.0) -> bool:
+    """Whether processes of the group ``pgid`` still run ``grace`` seconds after its first one
+    ended (that one reaped): helpers that end with the process that started them, such as
+    multiprocessing's resource tracker beside a DataLoader's worker processes, take a moment
+    to see it gone and are no stragglers."""
+    deadline = time.monotonic() + grace
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def stop_group(pgid: int, grace: float = 30.0, leader: subprocess.Popen | None = None) -> None:
@@ -435,7 +461,7 @@ def run(
         # Anything the job started and left running (a server, a worker) holds memory:
         # record it, read NVML while it still runs, then stop it before the lease ends.
         with signals_deferred():
-            stragglers = group_alive(proc.pid)
+            stragglers = left_running(proc.pid)
             if gpus and share == 1:
                 after = settled_snapshot(devices, before)
             else:  # (a shared device's memory moves with the other job: no leak verdict)

@@ -43,6 +43,7 @@ from eagle3lib.train_data import (
     make_loader,
     open_verified_shards,
     split_indices,
+    stop_workers,
 )
 from eagle3lib.verifier import allow_recompiles, compile_fallbacks, identity
 
@@ -415,6 +416,7 @@ def _run_trainer(trainer_cls, model, trainer_config, loaders, cfg, rank: int, me
     finally:
         metric_logger.removeHandler(recorder)
         recorder.close()
+        stop_workers(*loaders)
     return trainer
 
 

@@ -273,4 +273,17 @@ def make_loader(
     )
 
 
+def stop_workers(*loaders) -> None:
+    """Stop the worker processes of ``loaders`` (persistent ones live as long as the loader's
+    iterator): otherwise they outlive the training until the process exits, and a moment
+    after it, when the job's GPU wrapper finds them running and the report flags the job.
+    torch keeps them in the loader's ``_iterator`` and stops them in its ``_shutdown_workers``
+    (what the iterator's ``__del__`` calls); a loader without workers has nothing to stop."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
 # ---- CPU support -----------------------------------------------------------------------------

@@ -317,3 +317,9 @@ def test_loader_workers_give_the_same_batches_as_the_training_threads(pipeline):
         assert len(got) == len(expected) >= 4
         for ours, theirs in zip(got, expected, strict=True):
             assert_same_batch(ours, theirs)
+    # the persistent worker lives until stopped (the train job stops it with the training,
+    # or the job's wrapper would find it running); the in-process loader has none to stop
+    workers = spawned._iterator._workers
+    assert [w.is_alive() for w in workers] == [True]
+    train_data.stop_workers(spawned, in_process)
+    assert spawned._iterator is None and [w.is_alive() for w in workers] == [False]

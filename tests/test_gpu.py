@@ -271,6 +271,16 @@ def test_cpu_job_sees_no_gpu_and_failure_writes_no_record(tmp_path):
     assert not (tmp_path / "fails.json").exists()
 
 
+def test_a_helper_ending_just_after_the_job_is_no_straggler(tmp_path):
+    """A process of the job's group that ends on its own a moment after the job (as
+    multiprocessing's resource tracker does once the process that started it has exited:
+    a train job with DataLoader workers was flagged for it) is not recorded as left behind."""
+    child = "import subprocess; subprocess.Popen(['sleep', '0.5'])"
+    p = run_job(tmp_path, "helper", "0", 1, [sys.executable, "-c", child])
+    assert p.wait(timeout=30) == 0
+    assert json.loads((tmp_path / "helper.json").read_text())["stray_processes"] is False
+
+
 @pytest.mark.parametrize("log", [False, True], ids=["output-inherited", "output-to-log"])
 def test_job_that_leaves_a_process_behind_is_recorded_and_stopped(tmp_path, log):
     """The process left behind holds the job's output: with a log, the wrapper's copy of it

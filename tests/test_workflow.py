@@ -386,6 +386,9 @@ def test_clean_rebuild_gives_identical_bytes(ws, tmp_path):
         for r in (tmp_path / "results/t", ws.results)
     ]
     assert [s["batch_loading"]["loader_workers"] for s in summaries] == [1, 0], summaries
+    # the worker processes were stopped with the training, none left for the wrapper to find
+    record = json.loads((tmp_path / "results/t/gpu/train.json").read_text())
+    assert record["stray_processes"] is False, record
     for artifact in ARTIFACTS:
         what = artifact
         if artifact.startswith("checkpoint/"):  # where training differed first, if it did
