@@ -218,6 +218,7 @@ def write_config(
             "gpus": train_gpus if not a.smoke else 0,
             # auto, the default, graphs the step on one GPU (eagle3lib.graphed_step.decide)
             **({} if a.graph_step == "auto" else {"graph_step": a.graph_step == "true"}),
+            **({} if a.loader_workers is None else {"loader_workers": a.loader_workers}),
         },
         "evaluate": {
             "k": 3,
@@ -342,6 +343,7 @@ def train_figures(run_dir: Path, train: dict) -> dict:
         resumed=summary.get("resumed"),
         timeline=summary.get("timeline"),
         graph_step=summary.get("graph_step"),
+        batch_loading=summary.get("batch_loading"),
         gpu_memory_peak_bytes=summary.get("gpu_memory_peak_bytes"),
         phase_seconds=summary.get("phase_seconds"),
         first_step_seconds=summary.get("first_step_seconds"),
@@ -379,6 +381,12 @@ def parser() -> argparse.ArgumentParser:
         choices=("auto", "true", "false"),
         default="auto",
         help="train.graph_step (auto, the default: graphed on one GPU, eager on several)",
+    )
+    p.add_argument(
+        "--loader-workers",
+        type=int,
+        default=None,
+        help="train.loader_workers (DataLoader worker processes; default: the config's 0)",
     )
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=64)
