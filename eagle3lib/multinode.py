@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -220,11 +221,20 @@ def run_torchrun(argv: Sequence[str]) -> int:
     instead of torch's traceback and failure table, and returns the status of the first
     failure: 143 for a worker stopped by SIGTERM, as the job's status."""
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     try:
         run.main(list(argv))
+    except SignalException as exc:  # srun ending the step (another node's task failed first)
+        print(
+            f"torchrun: stopped by {signal.Signals(exc.sigval).name} before its workers' ends "
+            "were reported; they were stopped (the step was ended: see the first node's lines)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(exc.sigval)
     except RendezvousConnectionError as exc:  # node 0's torchrun, holding the store, ended
         cause = str(exc.__cause__ or exc).partition("\n")[0]
         print(

@@ -421,6 +421,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(
     # each node's torchrun: one line a rank, no traceback (scripts/torchrun.py). Both ranks
     # exit 143 after the final barrier, at about the same moment: whichever node's torchrun
     # reports first, srun (--kill-on-bad-exit) may end the other node's before it prints
+    # (which then prints one line saying so)
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     assert re.search(r"torchrun: rank [01] \(pid \d+\) exited with status 143, the first", log)
 
@@ -637,6 +638,28 @@ def test_each_nodes_wrapper_gets_the_rendezvous_and_a_record_of_its_own():
         sys.executable, str(ROOT / "scripts" / "gpu_job.py"), "--gpus", "8", "--rule", "train",
         "--record", str(record), "--per-node", "--lock-dir", "locks", "--", "python", "train.py",
     ]  # fmt: skip
+
+
+def test_a_torchrun_stopped_by_srun_ends_with_one_line_and_the_signals_status(
+    monkeypatch, capsys
+):
+    """A node's torchrun that srun stops (--kill-on-bad-exit: another node's task failed
+    first) before it saw its workers end prints one line, not torch's SignalException
+    traceback, and ends with 128 + the signal (seen in a two-node SIGTERM test under load)."""
+    import signal
+
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(_argv):
+        raise SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(run, "main", stopped)
+    assert multinode.run_torchrun(["train.py"]) == 143
+    assert capsys.readouterr().err == (
+        "torchrun: stopped by SIGTERM before its workers' ends were reported; they were stopped "
+        "(the step was ended: see the first node's lines)\n"
+    )
 
 
 # Catches: ", the first" on the wrong rank, -15 returned, not 143, 1 returned whatever the status, a
