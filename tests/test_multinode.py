@@ -640,9 +640,7 @@ def test_each_nodes_wrapper_gets_the_rendezvous_and_a_record_of_its_own():
     ]  # fmt: skip
 
 
-def test_a_torchrun_stopped_by_srun_ends_with_one_line_and_the_signals_status(
-    monkeypatch, capsys
-):
+def test_a_torchrun_stopped_by_srun_ends_with_one_line_and_the_signals_status(monkeypatch, capsys):
     """A node's torchrun that srun stops (--kill-on-bad-exit: another node's task failed
     first) before it saw its workers end prints one line, not torch's SignalException
     traceback, and ends with 128 + the signal (seen in a two-node SIGTERM test under load)."""
