@@ -440,7 +440,7 @@ def main() -> None:
     # the tiny shape takes the tokenizer's vocabulary (49,152); the 8B one keeps its 128,256
     shape = dict(bench_extract.TINY, vocab_size=49152) if a.smoke else bench_extract.LLAMA_8B
     if a.smoke:
-        a.tokens = a.tokens or 12000
+        a.tokens = a.tokens or 6000
         a.bench_tokens, a.max_length, a.eval_prompts, a.eval_tokens = 4000, 256, 2, 16
         a.epochs = 1
     result: dict = {"machine": info}
