@@ -424,7 +424,8 @@ def _set_runs(model, tokenizer, capture, drafter, eval_set, ks, cfg, eos, log) -
 
 
 def _set_result(eval_set: dict[str, Any], run: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """The record of one eval set at one k: its name and size, the run's fields, its time."""
+    """The record of one eval set at one k: its name and size, the run's fields, and the set's
+    time, every k of it together (one pass over the set serves all its k)."""
     return {
         "eval_set": eval_set["name"],
         "prompts": len(eval_set["prompts"]),
