@@ -342,17 +342,28 @@ def train_pipeline(pipeline: dict, state: Path, trainer_class=None, **changes) -
     )
 
 
+def prepare_conversations(tokenizer, verifier_record, folder: Path, n: int, seed: int, **prepare):
+    """``n`` tiny conversations (``seed``) prepared with PrepareConfig(**prepare), saved to
+    <folder>/samples.safetensors and read back: (the PreparedSamples, the loaded samples)."""
+    from eagle3lib import data
+    from eagle3lib.config import PrepareConfig
+
+    path = tiny.write_jsonl(folder / "train.jsonl", tiny.conversations(n, seed=seed))
+    prepared = data.prepare_samples(tokenizer, path, PrepareConfig(**prepare))
+    data.save_prepared(prepared, folder / "samples.safetensors", verifier_record["vocab_size"])
+    return prepared, data.load_samples(folder / "samples.safetensors")
+
+
 @pytest.fixture(scope="session")
 def pipeline(tokenizer, verifier_record, tmp_path_factory):
     """Prepared samples, two shards, a vocab map and a trained tiny draft (a few seconds)."""
-    from eagle3lib import checkpoint, data, hidden_states, train, vocab
-    from eagle3lib.config import ExtractConfig, PrepareConfig, TrainConfig
+    from eagle3lib import checkpoint, hidden_states, train, vocab
+    from eagle3lib.config import ExtractConfig, TrainConfig
 
     tmp = tmp_path_factory.mktemp("pipeline")
-    path = tiny.write_jsonl(tmp / "train.jsonl", tiny.conversations(40, seed=5))
-    prepared = data.prepare_samples(tokenizer, path, PrepareConfig(max_length=128))
-    data.save_prepared(prepared, tmp / "samples.safetensors", verifier_record["vocab_size"])
-    samples = data.load_samples(tmp / "samples.safetensors")
+    prepared, samples = prepare_conversations(
+        tokenizer, verifier_record, tmp, 40, seed=5, max_length=128
+    )
     extract_cfg = ExtractConfig(shards=2, batch_tokens=512)
     shards, manifests = [], []
     for i in range(2):

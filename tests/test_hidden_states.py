@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tiny
 import torch
-from conftest import assert_same_bytes, wait_until
+from conftest import assert_same_bytes, prepare_conversations, wait_until
 
 from eagle3lib import config, data, hidden_states, shard_writer, shards
-from eagle3lib.config import ExtractConfig, PrepareConfig
+from eagle3lib.config import ExtractConfig
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json, sha256_file
 from eagle3lib.verifier import decoder_layers
@@ -90,10 +90,7 @@ def test_length_batches_respect_the_token_budget():
 @pytest.fixture(scope="module")
 def extracted(tokenizer, verifier_record, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("extract")
-    path = tiny.write_jsonl(tmp / "train.jsonl", tiny.conversations(9, seed=2))
-    prepared = data.prepare_samples(tokenizer, path, PrepareConfig())
-    data.save_prepared(prepared, tmp / "samples.safetensors", verifier_record["vocab_size"])
-    samples = data.load_samples(tmp / "samples.safetensors")
+    prepared, samples = prepare_conversations(tokenizer, verifier_record, tmp, 9, seed=2)
     cfg = ExtractConfig(shards=2, batch_tokens=300)
     stats = hidden_states.extract_shard(
         samples,

@@ -9,11 +9,11 @@ import types
 
 import numpy as np
 import pytest
-import tiny
 import torch
+from conftest import prepare_conversations
 
-from eagle3lib import data, gpu, hidden_states, precision, shard_writer, shards, vllm_extraction
-from eagle3lib.config import ExtractConfig, PrepareConfig
+from eagle3lib import gpu, hidden_states, precision, shard_writer, shards, vllm_extraction
+from eagle3lib.config import ExtractConfig
 from eagle3lib.errors import UserError
 from eagle3lib.fileio import read_json
 from eagle3lib.lifetime import Phases
@@ -374,10 +374,8 @@ def test_check_against_single_forward_measures_a_batching_error(verifier_model):
 def prepared(tokenizer, verifier_record, tmp_path_factory):
     """Six prepared conversations: (samples, their ids)."""
     tmp = tmp_path_factory.mktemp("contract")
-    path = tiny.write_jsonl(tmp / "train.jsonl", tiny.conversations(6, seed=3))
-    prep = data.prepare_samples(tokenizer, path, PrepareConfig())
-    data.save_prepared(prep, tmp / "samples.safetensors", verifier_record["vocab_size"])
-    return data.load_samples(tmp / "samples.safetensors"), prep.ids
+    prep, samples = prepare_conversations(tokenizer, verifier_record, tmp, 6, seed=3)
+    return samples, prep.ids
 
 
 # Catches: the manifest's shard and shards values wrong (shard + 1, shards = shard), a job
