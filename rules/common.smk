@@ -464,10 +464,11 @@ def vllm_python():
     return os.path.relpath(Path(workflow.basedir) / ".venv-vllm" / "bin" / "python")
 
 
-def extract_engine():
-    """The vllm section and interpreter for a vllm extraction backend; nothing for hf, so that
-    vLLM settings never re-run an HF extraction."""
-    if config["extract"]["backend"] != "vllm":
+def vllm_engine(stage):
+    """The vllm section and interpreter for a stage (regenerate, extract) whose backend is
+    vllm; nothing for hf, so that vLLM settings never re-run an HF regeneration or
+    extraction."""
+    if config[stage]["backend"] != "vllm":
         return {"engine": "{}", "python": "none"}
     return {"engine": section("vllm"), "python": vllm_python()}
 
@@ -648,7 +649,7 @@ def stamp(job):
             {
                 "data": json.loads(regenerate_data()),
                 "regenerate": json.loads(regenerate_section()),
-                "vllm": json.loads(section("vllm")),
+                "vllm": json.loads(vllm_engine("regenerate")["engine"]),
             },
             train_data,
         ),
@@ -659,7 +660,7 @@ def stamp(job):
         "extract": (
             {
                 "extract": json.loads(extract_section()),
-                "vllm": json.loads(extract_engine()["engine"]),
+                "vllm": json.loads(vllm_engine("extract")["engine"]),
             },
             {},
         ),

@@ -25,8 +25,8 @@ rule extract:
     params:
         extract=extract_section(),
         stamp=stamp("extract"),
-        engine=extract_engine()["engine"],
-        python=extract_engine()["python"],
+        engine=vllm_engine("extract")["engine"],
+        python=vllm_engine("extract")["python"],
     shell:
         gpu_job("extract")
         + " python {input.script} --verifier {input.verifier} --samples {input.samples}"

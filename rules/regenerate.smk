@@ -24,8 +24,8 @@ rule regenerate:
         data=regenerate_data(),
         stamp=stamp("regenerate"),
         regenerate=regenerate_section(),
-        engine=section("vllm"),
-        python=vllm_python(),
+        engine=vllm_engine("regenerate")["engine"],
+        python=vllm_engine("regenerate")["python"],
         work=REGENERATE_WORK,
         server_log=log("regenerate-server"),
     shell:

@@ -175,7 +175,11 @@ def test_defaults_stay_out_of_the_parameters_and_other_values_go_in(plan):
         "train": {"allow_truncated_json": False, "max_samples": 5, "path": train["path"]},
     }
     assert stamp(regenerate)["config"]["regenerate"] == param(regenerate, "--regenerate")
-    assert stamp(regenerate)["config"]["vllm"] == param(regenerate, "--vllm")  # any backend
+    # an hf regeneration: no vLLM settings either, so that serve_check's vllm section (its
+    # max_model_len, say) never reruns it
+    assert regenerate["options"]["--vllm"] == "{}"
+    assert regenerate["options"]["--vllm-python"] == "none"
+    assert stamp(regenerate)["config"]["vllm"] == {}
     assert set(stamp(regenerate)["files"]) == {"data.train.path"}
     extract = defaults["extract"][0]
     assert "compile" not in param(extract, "--extract")
@@ -289,8 +293,8 @@ def test_evaluation_settings_reach_evaluate_and_serve_check_as_documented(plan):
     """evaluate gets every eval set (data.eval first, names and prompt counts) and stamps
     them; serve_check the first k, max_new_tokens, dtype and data.eval's path and prompt
     count; the report's gate normalised ({set: {"k": float}}, sorted); an hf extraction gets
-    no vLLM settings, a vllm one the section and its interpreter; the default target holds
-    vLLM's acceptance when serve_check runs."""
+    no vLLM settings, a vllm one (and a vllm regeneration) the section and its interpreter;
+    the default target holds vLLM's acceptance when serve_check runs."""
     evals = {"path": str(plan.files["eval"]), "max_prompts": 3}
     second = {"path": str(plan.files["eval2"]), "name": "second", "max_prompts": 1}
     vllm = {"python": sys.executable, "startup_timeout": 60}
@@ -300,6 +304,7 @@ def test_evaluation_settings_reach_evaluate_and_serve_check_as_documented(plan):
         evaluate={"k": [2, 4], "max_new_tokens": 12, "dtype": "float32"},
         serve_check={"enabled": True},
         extract={"backend": "vllm", "dtype": "float32"},
+        regenerate={"enabled": True, "backend": "vllm"},
         vllm=vllm,
         validate={"min_acceptance_length": {"second": {4: 1.5, 2: 1}, "eval": {"2": 1.2}}},
     )  # fmt: skip
@@ -324,6 +329,10 @@ def test_evaluation_settings_reach_evaluate_and_serve_check_as_documented(plan):
     assert param(extract, "--vllm")["startup_timeout"] == 60
     assert extract["options"]["--vllm-python"] == sys.executable
     assert stamp(extract)["config"]["vllm"] == param(extract, "--vllm")
+    regenerate = one(jobs, "regenerate")  # a vllm regeneration: the same section, stamped
+    assert param(regenerate, "--vllm") == param(extract, "--vllm")
+    assert regenerate["options"]["--vllm-python"] == sys.executable
+    assert stamp(regenerate)["config"]["vllm"] == param(regenerate, "--vllm")
     assert "results/t/reports/vllm_acceptance.json" in one(jobs, "all")["inputs"]
     report = one(jobs, "report")["options"]
     assert report["--vllm-acceptance"] == "results/t/reports/vllm_acceptance.json"
