@@ -122,14 +122,22 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
         self._log, self._log_start = log, log.tell()
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,  # its own group: stopped as a whole, workers included
-            preexec_fn=child_dies_with_me(),  # SIGTERM when the job dies, even by SIGKILL
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # its own group: stopped as a whole, workers included
+                preexec_fn=child_dies_with_me(),  # SIGTERM when the job dies, even by SIGKILL
+            )
+        except OSError as e:  # no such interpreter, or not executable
+            log.close()
+            raise UserError(
+                f"cannot start the vLLM server with {self.python}: {e.strerror}; set "
+                "vllm.python to the python of an environment with vLLM installed, or run "
+                "`make envs` to make .venv-vllm"
+            ) from None
         try:
             self._wait_healthy()
         except BaseException:  # also Ctrl-C or SIGTERM during the wait
