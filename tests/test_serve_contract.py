@@ -16,49 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_serve_standin import gone, gpu_job, open_fds
 
 from eagle3lib import serve
 from eagle3lib.errors import UserError
 
 TRACEBACK = "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."
-
-
-def gpu_job(monkeypatch, tmp_path, visible: str | None) -> None:
-    """A job on a machine with nvidia-smi (a stand-in script) and CUDA_VISIBLE_DEVICES as the
-    lease sets it (None: unset)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-
-
-def gone(pid: int, within: float = 5.0) -> bool:
-    """The process has ended (a zombie left to an init that does not reap counts as ended)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def open_fds(path: Path) -> list[str]:
-    """This process's file descriptors open on ``path`` (a log left open shows here)."""
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
-                fds.append(fd)
-    return fds
 
 
 # ---- vLLM's environment and flags --------------------------------------------------------
