@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from test_serve_standin import gone, gpu_job, open_fds
+from test_serve_standin import NoServer, gone, gpu_job, open_fds
 
 from eagle3lib import serve
 from eagle3lib.errors import UserError
@@ -254,23 +254,9 @@ def stand_ins(monkeypatch):
     saved = dict(os.environ)
     made = {}
 
-    class Server:
-        url = "http://127.0.0.1:1"
-
+    class Server(NoServer):
         def __init__(self, python, model, args, log_path, env, startup_timeout=900.0):
             made.update(env=env, startup_timeout=startup_timeout)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def metrics(self):
-            return ""
-
-        def complete(self, prompt_ids, max_tokens):
-            return [0] * max_tokens
 
     class LLM:
         def __init__(self, **kwargs):
