@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -422,18 +423,46 @@ def _vllm_context_problems(config: dict[str, Any], facts: VerifierFacts) -> list
     context, max_model_len = facts.max_position_embeddings, config["vllm"]["max_model_len"]
     if context is None or max_model_len is None or max_model_len <= context:
         return []
-    extract, regenerate = config["extract"], config["regenerate"]
-    uses_vllm = (
-        config["serve_check"]["enabled"]
-        or extract["backend"] == "vllm"
-        or (regenerate["enabled"] and regenerate["backend"] == "vllm")
-    )
-    if not uses_vllm:
+    if not vllm_jobs(config):
         return []
     return [
         f"config key vllm.max_model_len: {max_model_len} is longer than the "
         f"verifier's context (max_position_embeddings {context}), which vLLM refuses; "
         f"use at most {context}, or null {_where(facts)}"
+    ]
+
+
+def vllm_jobs(config: dict[str, Any]) -> list[str]:
+    """The rules whose jobs start vLLM with this config: serve_check, and regenerate and
+    extract on their vllm backend."""
+    extract, regenerate = config["extract"], config["regenerate"]
+    return [
+        rule
+        for rule, uses in (
+            ("regenerate", regenerate["enabled"] and regenerate["backend"] == "vllm"),
+            ("extract", extract["backend"] == "vllm"),
+            ("serve_check", config["serve_check"]["enabled"]),
+        )
+        if uses
+    ]
+
+
+def vllm_python_problems(config: dict[str, Any], python: str, job: str) -> list[str]:
+    """vLLM's interpreter (vllm.python; by default make's .venv-vllm, ``python`` relative to
+    the working folder) where ``job`` starts vLLM with this config: one that cannot run would
+    fail the job only when it starts, after the stages before it ran."""
+    if job not in vllm_jobs(config) or shutil.which(python):
+        return []
+    chosen = "" if config["vllm"]["python"] else " (null: make's .venv-vllm)"
+    return [
+        f"config key vllm.python{chosen}: {python} cannot run (no such file, or not "
+        f"executable), and the {job} job starts vLLM with it; run `make envs` to make "
+        ".venv-vllm, set vllm.python to the python of an environment with vLLM installed, or "
+        + (
+            "turn serve_check off (serve_check: {enabled: false})"
+            if job == "serve_check"
+            else f"use {job}.backend: hf"
+        )
     ]
 
 

@@ -302,6 +302,27 @@ def extract_sharing_allowed(wildcards):
     return []
 
 
+VLLM_WARNINGS = set()  # those a dry run printed
+
+
+def vllm_interpreter_runs(job):
+    """The input function (adding no input) of a job that may start vLLM. An interpreter
+    that cannot run (vllm.python; .venv-vllm not made) stops the run with one line when the
+    DAG is built, before the first job, not when this job starts. A dry run (planning on a
+    machine without vLLM, a login node) only warns, once."""
+
+    def check(wildcards):
+        for problem in preflight.vllm_python_problems(config, vllm_python(), job):
+            if not workflow.dryrun:
+                fail(problem)
+            if problem not in VLLM_WARNINGS:
+                VLLM_WARNINGS.add(problem)
+                print(f"warning: {problem}", file=sys.stderr)
+        return []
+
+    return check
+
+
 def section(name, drop=GPU_COUNTS):
     """A config section as canonical JSON for a script's command line; as a param it re-runs
     the rule when it changes. GPU counts are resources, not inputs of the result."""

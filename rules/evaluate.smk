@@ -67,6 +67,7 @@ rule serve_check:
         prompts=data_file("eval"),
         script=script("serve_check.py"),
         gpu_job=script("gpu_job.py"),
+        vllm=vllm_interpreter_runs("serve_check"),
     output:
         acceptance=VLLM_ACCEPTANCE,
         gpu=gpu_record("serve_check"),

@@ -8,6 +8,7 @@ rule extract:
         script=script("extract.py"),
         gpu_job=script("gpu_job.py"),
         sharing=extract_sharing_allowed,
+        vllm=vllm_interpreter_runs("extract"),
     output:
         shard=SHARD,
         manifest=SHARD_MANIFEST,

@@ -5,6 +5,7 @@ rule regenerate:
         train=train_files(),
         script=script("regenerate.py"),
         gpu_job=script("gpu_job.py"),
+        vllm=vllm_interpreter_runs("regenerate"),
     output:
         conversations=REGENERATED,
         info=REGENERATED_INFO,

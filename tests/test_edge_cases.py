@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import tiny
 import yaml
-from conftest import assert_same_bytes
+from conftest import assert_same_bytes, job_counts, run_snakemake
 from test_bad_input import leftovers, one_error_line, run_main
 
 from eagle3lib import preflight
@@ -623,8 +623,6 @@ def test_gguf_conversion_parses_the_file_once_and_writes_the_same_bytes(
 def test_a_local_gguf_verifier_in_the_workflow(gguf, tmp_path, tmp_path_factory):
     """verifier.path: models/tiny-llama.gguf (relative) in a real run: converted once under
     results/<run>/verifier/hf; a file with other content under the same name reruns it."""
-    from conftest import job_counts, run_snakemake
-
     (tmp_path / "models").mkdir()
     shutil.copy2(gguf, tmp_path / "models" / "tiny-llama.gguf")
     env = Env(tmp_path, Path("models/tiny-llama.gguf"), gguf)
@@ -659,6 +657,73 @@ def test_the_venvs_snakemake_runs_its_jobs_with_the_venv_unactivated(tmp_path, v
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / target).read_text())["num_hidden_layers"] == 8
+
+
+def test_a_missing_vllm_interpreter_stops_a_run_before_its_first_job_and_a_dry_run_warns(
+    tmp_path, verifier_dir
+):
+    """serve_check on and vllm.python naming no interpreter (.venv-vllm not made): a real run
+    stops while planning with one line naming the key, the jobs that start vLLM and what to
+    do, and runs no job (else it would fail at serve_check, after training); a dry run (a
+    login node planning without vLLM) only warns."""
+    env = Env(tmp_path, verifier_dir, verifier_dir)
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    env.set("serve_check.enabled", True)
+    env.set("vllm.python", str(missing))
+    config = env.write_config()
+    before = env.files()
+    expected = (
+        f"config key vllm.python: {missing} cannot run (no such file, or not executable), and "
+        "the serve_check job starts vLLM with it; run `make envs` to make .venv-vllm, set "
+        "vllm.python to the python of an environment with vLLM installed, or turn serve_check "
+        "off (serve_check: {enabled: false})"
+    )
+    real = run_snakemake(tmp_path, config, check=False)
+    assert real.returncode == 1 and one_error_line(real.stderr) == f"error: {expected}"
+    assert env.files() == before and not (tmp_path / "results").exists()
+    dry = run_snakemake(tmp_path, config, "-n")
+    assert f"warning: {expected}" in dry.stderr.splitlines()
+    assert {"verifier", "train", "serve_check"} <= set(job_counts(dry.stdout))
+
+
+def test_the_vllm_interpreter_is_checked_only_for_a_job_that_starts_vllm(tmp_path, monkeypatch):
+    """vllm_python_problems: nothing for a job that does not start vLLM (an hf regeneration or
+    extraction, serve_check off); a vllm regeneration, a vllm extraction and serve_check each
+    get their own remedy; a found interpreter (a path relative to the working folder, or a
+    name on PATH) is no problem; the default's line says it is make's environment."""
+    off = {
+        "extract": {"backend": "hf"},
+        "regenerate": {"enabled": False, "backend": "vllm"},
+        "serve_check": {"enabled": False},
+        "vllm": {"python": None},
+    }
+    for job in ("regenerate", "extract", "serve_check"):
+        assert preflight.vllm_python_problems(off, "no/such/python", job) == []
+    every = {
+        "extract": {"backend": "vllm"},
+        "regenerate": {"enabled": True, "backend": "vllm"},
+        "serve_check": {"enabled": True},
+        "vllm": {"python": None},
+    }
+    [line] = preflight.vllm_python_problems(every, "no/such/python", "extract")
+    assert line == (
+        "config key vllm.python (null: make's .venv-vllm): no/such/python cannot run (no such "
+        "file, or not executable), and the extract job starts vLLM with it; run `make envs` to "
+        "make .venv-vllm, set vllm.python to the python of an environment with vLLM installed, "
+        "or use extract.backend: hf"
+    )
+    [line] = preflight.vllm_python_problems(every, "no/such/python", "regenerate")
+    assert ", and the regenerate job starts vLLM with it; " in line
+    assert line.endswith(", or use regenerate.backend: hf")
+    monkeypatch.chdir(tmp_path)
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    assert preflight.vllm_python_problems(every, "venv/bin/python", "serve_check") != []
+    python.chmod(0o755)  # executable now
+    assert preflight.vllm_python_problems(every, "venv/bin/python", "serve_check") == []
+    monkeypatch.setenv("PATH", str(python.parent))
+    assert preflight.vllm_python_problems(every, "python", "serve_check") == []
 
 
 def test_weights_lacking_a_tensor_of_the_model_stop_the_job_that_loads_it(tmp_path, verifier_dir):
