@@ -121,12 +121,16 @@ def output_path_problems(run_dir: Path, folders: Iterable[str] = RUN_FOLDERS) ->
     for parent in reversed([run_dir, *run_dir.parents]):
         if parent == Path(".") or parent == Path(parent.anchor):
             continue
+        what = "the run's folder" if parent == run_dir else f"a folder of {run_dir}"
+        if parent.is_symlink() and not parent.exists():  # a cleaned scratch space, say
+            return [_dangling(parent, what)]
         if parent.exists() and not parent.is_dir():
-            what = "the run's folder" if parent == run_dir else f"a folder of {run_dir}"
             return [f"{parent}: a file is where {what} should be; {remedy}"]
     if run_dir.is_dir():
         for name in folders:
             folder = run_dir / name
+            if folder.is_symlink() and not folder.exists():
+                return [_dangling(folder, "a folder the run writes")]
             if folder.exists() and not folder.is_dir():
                 return [f"{folder}: a file is where the run writes a folder; {remedy}"]
     existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
@@ -137,6 +141,13 @@ def output_path_problems(run_dir: Path, folders: Iterable[str] = RUN_FOLDERS) ->
                 "working directory where results/ can be written"
             ]
     return []
+
+
+def _dangling(link: Path, what: str) -> str:
+    return (
+        f"{link}: a symbolic link to {os.readlink(link)}, which does not exist, is where {what} "
+        "should be; create the folder it points to, or move or delete the link"
+    )
 
 
 # ---- input files ----------------------------------------------------------------------------
