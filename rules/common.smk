@@ -308,12 +308,13 @@ VLLM_WARNINGS = set()  # those a dry run printed
 def vllm_interpreter_runs(job):
     """The input function (adding no input) of a job that may start vLLM. An interpreter
     that cannot run (vllm.python; .venv-vllm not made) stops the run with one line when the
-    DAG is built, before the first job, not when this job starts. A dry run (planning on a
-    machine without vLLM, a login node) only warns, once."""
+    DAG is built, before the first job, not when this job starts. A process that runs no job
+    (a dry run on a machine without vLLM, a login node; --rulegraph, --summary, --report: no
+    executor) only warns, once."""
 
     def check(wildcards):
         for problem in preflight.vllm_python_problems(config, vllm_python(), job):
-            if not workflow.dryrun:
+            if workflow.executor_plugin is not None and not workflow.dryrun:
                 fail(problem)
             if problem not in VLLM_WARNINGS:
                 VLLM_WARNINGS.add(problem)

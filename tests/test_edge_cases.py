@@ -665,7 +665,7 @@ def test_a_missing_vllm_interpreter_stops_a_run_before_its_first_job_and_a_dry_r
     """serve_check on and vllm.python naming no interpreter (.venv-vllm not made): a real run
     stops while planning with one line naming the key, the jobs that start vLLM and what to
     do, and runs no job (else it would fail at serve_check, after training); a dry run (a
-    login node planning without vLLM) only warns."""
+    login node planning without vLLM) and a rule graph only warn."""
     env = Env(tmp_path, verifier_dir, verifier_dir)
     missing = tmp_path / "no-venv" / "bin" / "python"
     env.set("serve_check.enabled", True)
@@ -682,8 +682,11 @@ def test_a_missing_vllm_interpreter_stops_a_run_before_its_first_job_and_a_dry_r
     assert real.returncode == 1 and one_error_line(real.stderr) == f"error: {expected}"
     assert env.files() == before and not (tmp_path / "results").exists()
     dry = run_snakemake(tmp_path, config, "-n")
-    assert f"warning: {expected}" in dry.stderr.splitlines()
+    assert dry.stderr.splitlines().count(f"warning: {expected}") == 1
     assert {"verifier", "train", "serve_check"} <= set(job_counts(dry.stdout))
+    graph = run_snakemake(tmp_path, config, "--rulegraph", "mermaid-js")  # runs no job either
+    assert f"warning: {expected}" in graph.stderr.splitlines() and "serve_check" in graph.stdout
+    assert env.files() == before
 
 
 def test_the_vllm_interpreter_is_checked_only_for_a_job_that_starts_vllm(tmp_path, monkeypatch):
