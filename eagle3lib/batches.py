@@ -30,6 +30,9 @@ import torch
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
 PACKINGS = ("ffd", "multipack")  # train.packing's default first
+# ThreadedBatches' caller holds at most two batches' buffers: the one being copied to the GPU
+# and the current one (StreamingTrainer._device_batches)
+HELD_BATCHES = 2
 
 
 # ---- packing ---------------------------------------------------------------------------------
@@ -309,6 +312,7 @@ class _Pool:
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.wait_seconds = 0.0
+        self.held = 0  # sets handed to ThreadedBatches' caller and not released yet
 
     def get(self) -> dict:
         with self.lock:
@@ -318,6 +322,8 @@ class _Pool:
             return self.make()
         t0 = time.perf_counter()
         buffers, event = self.free.get()
+        if buffers is None:
+            raise RuntimeError("the epoch's batches were closed")  # close(): nobody waits
         if event is not None:
             event.synchronize()
         waited = time.perf_counter() - t0
@@ -327,6 +333,11 @@ class _Pool:
 
     def put(self, buffers: dict, event=None) -> None:
         self.free.put((buffers, event))
+
+    def close(self) -> None:
+        """Wake the loader threads waiting for a set (fewer than ``size``): the epoch is over."""
+        for _ in range(self.size):
+            self.free.put((None, None))
 
 
 class ThreadedBatches:
@@ -356,9 +367,8 @@ class ThreadedBatches:
 
     def __iter__(self) -> Iterator[tuple[dict, Callable]]:
         batches = iter(list(self.loader.batch_sampler))
-        # a set is in the window (depth batches) or the caller's: at most the batch being
-        # copied to the GPU and the current one (StreamingTrainer._device_batches)
-        pool = _Pool(self.collator.buffers, self.depth + 2) if self.collator else None
+        # a set is in the window (depth batches) or the caller's (HELD_BATCHES)
+        pool = _Pool(self.collator.buffers, self.depth + HELD_BATCHES) if self.collator else None
         self.pool = pool  # its wait_seconds: the loader's wait for a free buffer set
 
         def build(indices):
@@ -382,6 +392,12 @@ class ThreadedBatches:
         window = [executor.submit(build, i) for i in itertools.islice(batches, self.depth)]
         try:
             while window:
+                if pool is not None and pool.held > HELD_BATCHES:  # its set would never come
+                    raise RuntimeError(
+                        f"ThreadedBatches: the caller holds {pool.held} batches whose buffers "
+                        f"it has not released; release each (release(event)) once its copy to "
+                        f"the GPU is recorded: at most {HELD_BATCHES} may be held"
+                    )
                 batch, buffers = window.pop(0).result()
                 for indices in itertools.islice(batches, 1):
                     window.append(executor.submit(build, indices))
@@ -389,11 +405,23 @@ class ThreadedBatches:
         finally:
             for future in window:
                 future.cancel()
+            if pool is not None:
+                pool.close()
             executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _releaser(pool: _Pool, buffers: dict) -> Callable:
+    released = False
+    with pool.lock:
+        pool.held += 1
+
     def release(event=None) -> None:
+        nonlocal released
+        if released:  # the set would be handed out twice: two batches written into one
+            raise RuntimeError("ThreadedBatches: a batch's buffers were released twice")
+        released = True
+        with pool.lock:
+            pool.held -= 1
         pool.put(buffers, event)
 
     return release

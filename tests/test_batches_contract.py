@@ -285,6 +285,64 @@ def test_threaded_batches_end_their_threads_and_raise_an_error_after_the_batches
     assert all(torch.equal(g, e["input_ids"]) for g, e in zip(got, expected[:3], strict=True))
 
 
+# Catches: a caller holding a third batch left waiting forever (the loader thread waits for a
+# set that never comes back and the epoch's close waits for that thread); a set released twice
+# handed out twice (two batches then written into one set).
+def test_threaded_batches_refuse_a_third_held_batch_and_a_second_release(tmp_path, monkeypatch):
+    """One thread, depth 2: four sets. Three batches taken, none released, the loader's thread
+    waiting for a set for the fifth: the fourth ``next`` raises (naming the three held and the
+    limit of two) instead of waiting, and the loader's thread ends. A release called twice
+    raises; every set went back once."""
+    loader = tiny_loader(tmp_path)
+    outcome = {}
+    waiting = threading.Event()  # a loader thread asks for a set when all four are out
+    real_get = batches._Pool.get  # noqa: SLF001
+
+    def get(self):
+        if self.made == self.size and self.free.empty():
+            waiting.set()
+        return real_get(self)
+
+    monkeypatch.setattr(batches._Pool, "get", get)  # noqa: SLF001
+
+    def hold_three():
+        epoch = iter(batches.ThreadedBatches(loader, 1))
+        held = [next(epoch) for _ in range(3)]
+        outcome["waiting"] = waiting.wait(10)
+        try:
+            next(epoch)
+        except RuntimeError as error:
+            outcome["error"] = str(error)
+        outcome["held"] = len(held)
+
+    caller = threading.Thread(target=hold_three, daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "the caller waits for a batch that never comes"
+    assert outcome == {
+        "waiting": True,
+        "held": 3,
+        "error": "ThreadedBatches: the caller holds 3 batches whose buffers it has not released;"
+        " release each (release(event)) once its copy to the GPU is recorded: at most 2 may be"
+        " held",
+    }
+    assert wait_until(lambda: not loader_threads(), 5), "a loader thread still waits for a set"
+
+    threaded = batches.ThreadedBatches(loader, 1)
+    epoch = iter(threaded)
+    _batch, release = next(epoch)
+    release(None)
+    with pytest.raises(
+        RuntimeError, match="^ThreadedBatches: a batch's buffers were released twice$"
+    ):
+        release(None)
+    assert threaded.pool.held == 0
+    for _batch, release in epoch:
+        release(None)
+    pool = threaded.pool  # every set back once, then close's wake-up for each of the four
+    assert pool.held == 0 and pool.made <= 4 and pool.free.qsize() == pool.made + 4
+
+
 # Catches: buffers pinned because the loader pins, on a host without CUDA (torch then refuses).
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pins on a GPU host")
 def test_threaded_batches_pin_nothing_without_cuda(tmp_path):
