@@ -89,3 +89,18 @@ def test_no_references_outside_the_repository():
             if FORBIDDEN.search(line):
                 hits.append(f"{name}:{number}: {line.strip()}")
     assert not hits, "references to things outside the repository:\n" + "\n".join(hits)
+
+
+def test_every_test_file_that_can_skip_is_in_the_skip_table():
+    """docs/operations.md's Tests section names each test file holding a skip, so the README's
+    "any other check only where the machine lacks what it needs" can be read off it."""
+    section = (ROOT / "docs/operations.md").read_text().split("## Tests", 1)[1].split("\n## ", 1)[0]
+    skipping = {
+        f"tests/{path.name}"
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^\s*@?pytest\.(?:skip|mark\.skip|mark\.skipif)\(", path.read_text(), re.M)
+    }
+    unnamed = sorted(name for name in skipping if f"`{name}`" not in section)
+    assert skipping and not unnamed, (
+        f"docs/operations.md's Tests section does not name {unnamed}: add each to its table"
+    )
