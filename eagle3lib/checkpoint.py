@@ -166,6 +166,7 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     problems += build_problems
     problems += _tensor_problems(shapes, dtypes, expected)
     problems += _vocab_map_problems(d2t, t2d, raw.get("draft_vocab_size"), record["vocab_size"])
+    problems += _non_finite_problems(checkpoint / "model.safetensors")
     if not problems:
         problems += _reload_forward(checkpoint, record, expected_aux, report)
     report["valid"] = not problems
@@ -226,6 +227,25 @@ def _read_weights(path: Path) -> tuple[dict[str, list[int]], dict[str, str], Any
         d2t = f.get_tensor("d2t") if "d2t" in tensors else None
         t2d = f.get_tensor("t2d") if "t2d" in tensors else None
     return shapes, dtypes, d2t, t2d
+
+
+def _non_finite_problems(path: Path) -> list[str]:
+    """A problem for each floating-point tensor holding NaN or infinity (a diverged training
+    saves such weights, and the draft then proposes one id whatever it is given)."""
+    from safetensors import safe_open
+
+    problems = []
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            tensor = f.get_tensor(name)
+            if tensor.is_floating_point():
+                bad = int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    problems.append(
+                        f"tensor {name}: {bad} of {tensor.numel()} values are NaN or infinite "
+                        "(the training diverged: see train/state/metrics.jsonl; lower train.lr)"
+                    )
+    return problems
 
 
 def _expected_shapes(checkpoint: Path) -> tuple[dict[str, list[int]], list[str]]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any, TypeVar
 
-from eagle3lib.errors import UserError
+from eagle3lib.errors import UserError, first_line
 
 PACKAGE_PREFIX = "package:"
 
@@ -24,13 +25,20 @@ T = TypeVar("T")
 def resolve_package_path(spec: str, key: str = "path") -> Path:
     """Turn ``package:<module>/<relative path>`` into the file inside the installed package.
 
-    The package is located without importing it (its ``__init__`` may need heavy deps).
+    The package is located without importing it (its ``__init__`` may need heavy deps); a
+    dotted name's parent packages are imported (Python finds a subpackage through them).
     """
     rest = spec[len(PACKAGE_PREFIX) :]
     module, _, relative = rest.partition("/")
     if not module or not relative:
         raise UserError(f"config key {key}: {spec!r} must look like package:<module>/<file>")
-    found = importlib.util.find_spec(module)
+    try:
+        found = importlib.util.find_spec(module)
+    except ImportError as exc:  # a parent package of a dotted name is missing or broken
+        raise UserError(
+            f"config key {key}: Python package {module!r} cannot be found ({first_line(exc)}); "
+            f"install it (see README) or point {key} at a file"
+        ) from None
     if found is None:
         raise UserError(
             f"config key {key}: Python package {module!r} is not installed; "
@@ -303,14 +311,19 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
 
     schema_path = Path(schema_path)
     schema = yaml.safe_load(schema_path.read_text(encoding="utf-8"))
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _strict_numbers(jsonschema.Draft202012Validator)(schema)
     messages = []
     for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.path))):
         # oneOf/anyOf (e.g. a number or a list): the alternative whose type matched says more
-        matched = [e for e in error.context or () if e.validator != "type"]
+        # (or the one that refused a float)
+        floats = [e for e in error.context or () if _number_problem(e)]
+        matched = floats or [e for e in error.context or () if e.validator != "type"]
         error = matched[0] if matched else error
         where = ".".join(str(p) for p in error.absolute_path)
-        if error.validator == "additionalProperties":
+        number = _number_problem(error)
+        if number:
+            messages.append(f"config key {where}: {number}")
+        elif error.validator == "additionalProperties":
             allowed = sorted(error.schema.get("properties", {}))
             unknown = sorted(set(error.instance) - set(allowed))
             for key in unknown:
@@ -331,6 +344,42 @@ def config_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     if not messages:
         messages += regenerate_dtype_errors(config.get("regenerate") or {})
     return messages
+
+
+def _strict_numbers(validator_class):
+    """``validator_class`` whose "integer" takes no float (JSON Schema counts 2.0 as one, and
+    the jobs then fail on a float where they count) and whose "number" takes no NaN or
+    infinity (NaN passes every bound)."""
+    import jsonschema
+
+    def integer(_checker, value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(_checker, value) -> bool:
+        return integer(_checker, value) or isinstance(value, float) and math.isfinite(value)
+
+    checker = validator_class.TYPE_CHECKER.redefine_many({"integer": integer, "number": number})
+    return jsonschema.validators.extend(validator_class, type_checker=checker)
+
+
+def _number_problem(error) -> str | None:
+    """The message for a float that _strict_numbers refused (the schema's own would say only
+    that ``2.0`` is not an integer, or not valid under any of the given schemas)."""
+    value = error.instance
+    if not isinstance(value, float):
+        return None
+    if not math.isfinite(value):
+        return f"{value} is not a finite number; give a finite number"
+    wanted = [error, *(error.context or ())]
+    if value.is_integer() and any(
+        e.validator == "type" and "integer" in _as_list(e.validator_value) for e in wanted
+    ):
+        return f"{value} is a decimal where a whole number is expected; write {int(value)}"
+    return None
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def regenerate_dtype_errors(regenerate: dict[str, Any]) -> list[str]:

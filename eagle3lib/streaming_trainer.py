@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import signal
 import sys
 import time
@@ -661,6 +662,7 @@ class StreamingTrainer(Trainer):
                 interval_tokens, interval_start = 0, now
                 interval_wait = self.data_wait_seconds
                 interval_gpu_wait = in_flight.wait_seconds
+                diverged(values.get("loss"), self.global_step, epoch, lrs)
             self.global_step += 1
             if self.progress is not None:
                 self.progress.step(self.global_step, epoch, tokens, self.data_wait_seconds)
@@ -688,6 +690,18 @@ class StreamingTrainer(Trainer):
             # next epoch's first step (which would wait through a validation and a save)
             if self.is_distributed and self.stop_vote.counted():
                 self.stop_here(epoch, local_step)
+
+
+def diverged(loss: float | None, step: int, epoch: int, lrs) -> None:
+    """Stop the training at a logging step whose loss is NaN or infinite: the weights are then
+    not finite either (no later step recovers them), and the draft they would export proposes
+    one id whatever it is given. Every rank sees the all-reduced loss, so all stop here."""
+    if loss is None or math.isfinite(loss):
+        return
+    raise UserError(
+        f"train: the loss is {loss} at step {step} (epoch {epoch}, learning rate {lrs}): the "
+        "training diverged; lower train.lr (each logging step's loss: train/state/metrics.jsonl)"
+    )
 
 
 # ---- model and trainer -----------------------------------------------------------------------

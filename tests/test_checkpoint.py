@@ -86,6 +86,24 @@ def test_damaged_tensors_are_reported(broken, pipeline, damage, problem):
     assert any(problem in p for p in report["problems"]), report["problems"]
 
 
+def test_non_finite_weights_are_reported(broken, pipeline):
+    """A diverged training's weights (NaN, infinity) make the checkpoint invalid, naming each
+    tensor and how many of its values; d2t/t2d (integers) are not floats to check."""
+
+    def diverge(tensors):
+        tensors["fc.weight"][0, :3] = float("nan")
+        tensors["norm.weight"][1] = float("-inf")
+
+    rewrite_tensors(broken, diverge)
+    report = checkpoint.check(broken, pipeline["record"], [2, 4, 5])
+    assert report["valid"] is False and "reload_forward" not in report
+    assert [p.split(" (")[0] for p in report["problems"]] == [
+        "tensor fc.weight: 3 of 12288 values are NaN or infinite",
+        "tensor norm.weight: 1 of 64 values are NaN or infinite",
+    ]
+    assert report["problems"][0].endswith("see train/state/metrics.jsonl; lower train.lr)")
+
+
 def test_config_problems_are_reported(broken, pipeline):
     config = json.loads((broken / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = "/home/me/models/tiny"

@@ -296,6 +296,8 @@ def test_package_paths_resolve_inside_the_package_or_say_what_is_wrong():
         "package:eagle3lib": "config key k: 'package:eagle3lib' must look like package:",
         "package:/config.py": "config key k: 'package:/config.py' must look like package:",
         "package:no_such_pkg_zz/a.json": "config key k: Python package 'no_such_pkg_zz' is not",
+        "package:no_such_pkg_zz.data/a.json": "config key k: Python package 'no_such_pkg_zz.data' "
+        "cannot be found (No module named 'no_such_pkg_zz'); install it",
         "package:dataclasses/a.json": "config key k: 'dataclasses' is a Python module, not a package",
         "package:eagle3lib/nope.json": "config key k: 'nope.json' not found inside package",
     }

@@ -1545,3 +1545,22 @@ def test_the_loaders_batches_follow_the_seed(pipeline):
 
     assert order(0) == order(0)
     assert order(0) != order(1)
+
+
+def test_a_diverging_training_stops_at_the_logging_step_naming_the_loss_and_train_lr(
+    pipeline, tmp_path
+):
+    """A learning rate far too large makes the loss NaN (and every weight after it): the job
+    stops at the first logging step that sees it, naming the step and train.lr, instead of
+    exporting a draft that proposes one id whatever it is given."""
+    state = tmp_path / "s"
+    with pytest.raises(UserError) as raised:
+        train_pipeline(pipeline, state, optimizer="adamw", lr=1e10, log_every=1, epochs=1)
+    message = str(raised.value)
+    logged = [json.loads(line) for line in (state / "m.jsonl").read_text().splitlines()]
+    losses = [r["train"]["loss"] for r in logged if "train" in r]
+    assert all(math.isfinite(x) for x in losses[:-1]) and not math.isfinite(losses[-1])
+    step = [r["global_step"] for r in logged if "train" in r][-1]
+    assert message.startswith(f"train: the loss is nan at step {step} (epoch 0, learning rate ")
+    assert message.endswith("the training diverged; lower train.lr (each logging step's loss: "
+                            "train/state/metrics.jsonl)")  # fmt: skip
