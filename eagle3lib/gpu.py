@@ -143,6 +143,11 @@ def visible_devices(visible: str) -> list[int]:
     return indices
 
 
+def gpu_setting(rule: str) -> str:
+    """The config key of job ``rule``'s GPU count (the rule's resource gpu)."""
+    return "extract.gpus_per_job" if rule == "extract" else f"{rule}.gpus"
+
+
 def device_pool() -> list[int]:
     """Device indices jobs may lease: CUDA_VISIBLE_DEVICES's devices if set, else all."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -442,7 +447,14 @@ def run(
     """Lease, snapshot, run ``argv`` in its own process group, snapshot again, write record.
     With ``log`` the job's output goes there (and lines matching ``echo`` to the terminal);
     ``share`` > 1: the devices are shared with that many jobs, taking turns (module doc)."""
-    with lease(gpus, device_pool() if gpus else [], lock_dir, share=share) as devices:
+    pool = device_pool() if gpus else []
+    if gpus > len(pool):
+        raise UserError(
+            f"the {rule} job needs {gpus} GPU(s), and {len(pool)} are visible to it {pool}: set "
+            f"{gpu_setting(rule)} to at most {len(pool)} (0 runs the job on the CPU), or run it "
+            "where it sees that many"
+        )
+    with lease(gpus, pool, lock_dir, share=share) as devices:
         env = dict(os.environ)
         # A job sees exactly its lease; a CPU job (gpus 0) sees no GPU at all. The lease's
         # indices are NVML's, which number GPUs by PCI bus id; CUDA numbers them so only with

@@ -316,6 +316,28 @@ def test_job_output_goes_to_its_log_and_matching_lines_to_the_terminal(tmp_path,
     assert err.splitlines() == ["train: step 3/9, 12 tokens/s"]
 
 
+# Catches: a job asking for more GPUs than it sees failing without naming its config key (the
+# user's fix), or after the job started; the key of extract jobs (gpus_per_job)
+@pytest.mark.parametrize(
+    ("rule", "visible", "pool", "key"),
+    [("train", "", [], "train.gpus"), ("extract", "0", [0], "extract.gpus_per_job")],
+)
+def test_a_job_needing_more_gpus_than_it_sees_names_its_setting(
+    tmp_path, capfd, monkeypatch, rule, visible, pool, key
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    rc = gpu.main(
+        ["run", "--gpus", "2", "--rule", rule, "--record", str(tmp_path / "r.json"),
+         "--lock-dir", str(tmp_path / "locks"), "--", "touch", str(tmp_path / "ran")]
+    )  # fmt: skip
+    assert rc == 1 and not (tmp_path / "ran").exists() and not (tmp_path / "r.json").exists()
+    assert capfd.readouterr().err == (
+        f"error: the {rule} job needs 2 GPU(s), and {len(pool)} are visible to it {pool}: set "
+        f"{key} to at most {len(pool)} (0 runs the job on the CPU), or run it where it sees "
+        "that many\n"
+    )
+
+
 def threads_of(pid: int) -> list[int]:
     return sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
 
