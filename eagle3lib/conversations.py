@@ -41,6 +41,16 @@ class InvalidRecord(Exception):
         self.reason = reason
 
 
+# the leading bytes of compressed files a data file may be mistaken for
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"),
+)
+
+
 def _open_text(path: Path) -> str:
     try:
         raw = path.read_bytes()
@@ -59,6 +69,17 @@ def _open_text(path: Path) -> str:
     try:
         return raw.decode("utf-8-sig")  # a byte-order mark some editors write is dropped
     except UnicodeDecodeError as exc:
+        compressed = next((name for magic, name in _COMPRESSED if raw.startswith(magic)), None)
+        if compressed == "gzip":
+            raise UserError(
+                f"{path}: compressed with gzip but not named .gz; rename it to end in .gz (read "
+                "as gzip then) or decompress it"
+            ) from None
+        if compressed:
+            raise UserError(
+                f"{path}: compressed with {compressed}; only plain and gzip (.gz) files are read: "
+                "decompress it, or re-compress it with gzip as a .gz file"
+            ) from None
         line = raw[: exc.start].count(b"\n") + 1
         raise UserError(
             f"{path}:{line}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8"

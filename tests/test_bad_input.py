@@ -14,10 +14,12 @@ subprocess to show the exit status and the one-line stderr a rule's log gets.
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
 import gzip
 import importlib.util
 import json
+import lzma
 import os
 import shutil
 import signal
@@ -410,6 +412,15 @@ def _gzip_truncated(env):
     return env.prepare(path)
 
 
+def _compressed(name: str, pack):
+    def run(env):
+        path = env.inp / name
+        path.write_bytes(pack(("\n".join(good_lines(4)) + "\n").encode()))
+        return env.prepare(path)
+
+    return run
+
+
 def _too_long_dropped(env):
     return env.prepare(jsonl(env, *good_lines(3)), max_length=8, truncation="drop")
 
@@ -567,6 +578,13 @@ CASES = [
          "re-compress it"),
     Case("gzip-truncated", _gzip_truncated, "{inp}/train.jsonl.gz: not a complete gzip",
          "re-compress it"),
+    Case("bzip2-compressed", _compressed("train.jsonl.bz2", bz2.compress),
+         "{inp}/train.jsonl.bz2: compressed with bzip2", "decompress it"),
+    Case("xz-compressed", _compressed("train.jsonl.xz", lzma.compress),
+         "{inp}/train.jsonl.xz: compressed with xz", "re-compress it with gzip"),
+    Case("gzip-without-gz-suffix", _compressed("train.jsonl", gzip.compress),
+         "{inp}/train.jsonl: compressed with gzip but not named .gz",
+         "rename it to end in .gz"),
     Case("samples-longer-than-max-length", _too_long_dropped,
          "{inp}/train.jsonl: no usable training samples",
          "raise data.max_length or set data.truncation: truncate"),
