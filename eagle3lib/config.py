@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +54,23 @@ def resolve_package_path(spec: str, key: str = "path") -> Path:
     if not path.exists():
         raise UserError(f"config key {key}: {relative!r} not found inside package {module!r}")
     return path
+
+
+def expand_home(config: dict[str, Any]) -> None:
+    """A path setting that starts with ``~`` or ``~user`` names that home folder, as in a
+    shell (YAML keeps it as written, and nothing else would expand it): the verifier, each
+    data file and vllm.python, in place in the validated ``config``."""
+
+    def expand(section: dict[str, Any], key: str) -> None:
+        value = section.get(key)
+        if isinstance(value, str) and value.startswith("~"):
+            section[key] = os.path.expanduser(value)
+
+    expand(config["verifier"], "path")
+    data = config["data"]
+    for section in (data["train"], data["eval"], *data["extra_train"], *data["extra_eval"]):
+        expand(section, "path")
+    expand(config["vllm"], "python")
 
 
 def resolve_data_path(spec: str, key: str) -> Path:

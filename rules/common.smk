@@ -9,7 +9,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir)))
 from eagle3lib.config import acceptance_gate  # noqa: E402
-from eagle3lib.config import config_errors, resolve_data_path  # noqa: E402
+from eagle3lib.config import config_errors, expand_home, resolve_data_path  # noqa: E402
 from eagle3lib.config import process_threads  # noqa: E402
 from eagle3lib.config import repeated_keys  # noqa: E402
 from eagle3lib.config import synthetic_keys_left_out  # noqa: E402
@@ -45,6 +45,7 @@ CONFIG_SCHEMA = "schemas/config.schema.yaml"
 for problem in config_errors(config, Path(workflow.basedir) / "rules" / CONFIG_SCHEMA):
     fail(problem)
 validate(config, schema=CONFIG_SCHEMA, set_default=True)
+expand_home(config)
 
 RUN = config["run"]
 N_SHARDS = config["extract"]["shards"]

@@ -34,9 +34,9 @@ def plan(tmp_path, verifier_dir, monkeypatch):
     extra = tiny.write_jsonl(tmp_path / "extra.jsonl", tiny.conversations(3, seed=5))
     files = {"train": train, "eval": evals, "eval2": second, "extra": extra}
 
-    def run(**sections):
+    def run(verifier=verifier_dir, **sections):
         config = tiny.write_config(
-            tmp_path / "config.yaml", "t", verifier_dir, train, evals, **sections
+            tmp_path / "config.yaml", "t", verifier, train, evals, **sections
         )
         proc = run_snakemake(tmp_path, config, "-n", "-p", "--forceall", "--cores", "64")
         return parse_jobs(proc.stdout)
@@ -432,3 +432,27 @@ def test_with_regeneration_the_prepared_count_counts_only_while_regeneration_is_
     proc, errors = plan_errors()
     assert errors == [] and proc.returncode == 0, proc.stderr
     assert "provenance-regenerate.json: made with other settings" in proc.stderr
+
+
+# Catches: ~ left as written in any of the path settings (a data file "does not exist", a
+# verifier folder taken for a hub id), or expanded only where one check reads it
+def test_paths_starting_with_a_tilde_name_the_home_folder(plan, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "verifier").symlink_to(plan.verifier)
+    python = tmp_path / "bin" / "python"
+    jobs = plan(
+        verifier="~/verifier",
+        data={
+            "train": {"path": "~/train.jsonl"}, "eval": {"path": "~/eval.jsonl"},
+            "extra_train": [{"path": "~/extra.jsonl"}],
+            "extra_eval": [{"name": "second", "path": "~/eval2.jsonl"}],
+        },
+        serve_check={"enabled": True}, vllm={"python": "~/bin/python"},
+    )  # fmt: skip
+    files = plan.files
+    prepare = one(jobs, "prepare")["options"]
+    assert prepare["--train"] == f"{files['train']} {files['extra']}"
+    assert prepare["--eval"] == f"{files['eval']} {files['eval2']}"
+    assert str(tmp_path / "verifier" / "config.json") in one(jobs, "verifier")["inputs"]
+    assert param(one(jobs, "verifier"), "--verifier")["path"] == str(tmp_path / "verifier")
+    assert str(python) in " ".join(one(jobs, "serve_check")["options"].values())
