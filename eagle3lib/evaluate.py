@@ -39,6 +39,7 @@ import torch
 from eagle3lib.config import RegenerateConfig
 from eagle3lib.data import eos_ids, until_eos
 from eagle3lib.drafter import Drafter
+from eagle3lib.errors import UserError
 from eagle3lib.hidden_states import Capture, input_device
 from eagle3lib.regenerate import RAW_LOGITS, hf_generate
 from eagle3lib.report import fmt
@@ -395,6 +396,26 @@ def evaluate(
         "results": [{k: v for k, v in r.items() if k != "per_prompt"} for r in results],
         "per_prompt": per_prompt,
     }
+
+
+def check_prompt_lengths(eval_sets: list[dict[str, Any]], context: int | None, cfg) -> None:
+    """Refuse a prompt whose tokens, with the answer evaluation generates for it (max_new_tokens,
+    and the largest k + 1 that replay's reference runs past it), pass the verifier's context:
+    the verifier would be run past the positions it was trained on, and the prompt would count
+    anyway. ``context`` None: the verifier states none."""
+    if context is None:
+        return
+    after = cfg.max_new_tokens + max(cfg.k_values) + 1
+    for eval_set in eval_sets:
+        for prompt in eval_set["prompts"]:
+            n = len(prompt["token_ids"])
+            if n + after > context:
+                raise UserError(
+                    f"{eval_set['path']}: the prompt with id {prompt['id']!r} is {n} tokens; with "
+                    f"the {after} evaluation adds (evaluate.max_new_tokens, the largest k + 1) "
+                    f"it passes the verifier's context of {context} positions; shorten or "
+                    "remove the prompt, or lower evaluate.max_new_tokens"
+                )
 
 
 def out_of_draft_vocab(texts: list[list[int]], vocabulary: set[int] | None) -> float | None:

@@ -53,6 +53,7 @@ def main() -> None:
         eval_set["prompts"] = read_eval_prompts(Path(eval_set["path"]), eval_set["max_prompts"])
         for prompt in eval_set["prompts"]:
             prompt["token_ids"] = data.prompt_token_ids(tokenizer, prompt["text"])
+    evaluate.check_prompt_lengths(eval_sets, record.get("max_position_embeddings"), cfg)
     model = verifier.load_model(record, dtype, device_map=verifier.device_map_for_job())
     draft = checkpoint.load_draft(a.config.parent, record, "sdpa", dtype).to(device)
     result = evaluate.evaluate(

@@ -267,15 +267,16 @@ class Env:
         assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
         return ckpt
 
-    def evaluate(self, ckpt: Path, **evaluate_cfg) -> str:
+    def evaluate(self, ckpt: Path, evals: Path | None = None, **evaluate_cfg) -> str:
         manifest = self.inp / "shard-0.json"  # evaluate reads the layer ids only
         write_json(manifest, {"layer_ids": [*AUX, self.w.record["num_hidden_layers"]]})
+        evals = evals or self.w.evals
         return self.script(
             "evaluate",
             "--verifier", self.w.record_path,
             "--config", ckpt / "config.json",
             "--manifest", manifest,
-            "--eval-sets", json.dumps([{"name": "eval", "path": str(self.w.evals), "max_prompts": None}]),
+            "--eval-sets", json.dumps([{"name": "eval", "path": str(evals), "max_prompts": None}]),
             "--evaluate", json.dumps({"k": 2, "max_new_tokens": 4, **evaluate_cfg}),
             "--out", self.out / "acceptance.json",
         )  # fmt: skip
@@ -526,6 +527,16 @@ def _without_native_bf16(env):
     return env
 
 
+def _eval_prompt_past_the_context(env):
+    evals = env.inp / "long.jsonl"
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 300)
+    evals.write_text(
+        json.dumps({"question_id": 1, "turns": ["Hi"]}) + "\n"
+        + json.dumps({"question_id": 7, "turns": [long]}) + "\n"
+    )  # fmt: skip
+    return env.evaluate(env.checkpoint(), evals=evals)
+
+
 def _checkpoint_config_missing(env):
     ckpt = env.inp / "checkpoint"
     ckpt.mkdir()
@@ -651,6 +662,9 @@ CASES = [
     Case("checkpoint-config-missing", _checkpoint_config_missing,
          "{inp}/checkpoint/config.json: unreadable checkpoint config",
          "rerun the workflow to retrain it"),
+    Case("eval-prompt-past-the-verifiers-context", _eval_prompt_past_the_context,
+         "{inp}/long.jsonl: the prompt with id '7' is",
+         "passes the verifier's context of 2048 positions; shorten or remove the prompt"),
     Case("vllm-bf16-on-a-cpu-without-bf16",
          lambda env: _without_native_bf16(env).serve_check(dtype="bfloat16"),
          "config key vllm.dtype: bfloat16 on this CPU", "use auto or float32"),
