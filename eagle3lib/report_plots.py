@@ -12,9 +12,10 @@ def plot_acceptance(
     k: int,
     path: Path,
     by_category: dict[str, dict[str, Any]] | None = None,
+    eval_set: str | None = None,
 ) -> None:
-    """Per-position acceptance; beside it, where the headline set's prompts have categories
-    (MT-bench's), each category's acceptance length."""
+    """The headline set's (``eval_set``, at ``k``) per-position acceptance; beside it, where its
+    prompts have categories (MT-bench's), each category's acceptance length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,7 +29,7 @@ def plot_acceptance(
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
-    ax.set_title("Per-position acceptance")
+    ax.set_title(f"Per-position acceptance ({eval_set + ', ' if eval_set else ''}k={k})")
     if by_category:
         names = list(by_category)
         cats.barh(names, [by_category[n]["acceptance_length"] for n in names], color="#3b7dd8")
@@ -41,6 +42,20 @@ def plot_acceptance(
     plt.close(fig)
 
 
+def loss_points(curves: dict[str, Any]) -> tuple[tuple[list, list], tuple[list, list]]:
+    """(steps, losses) of training and of validation for loss.png: steps counted from 1, as
+    the train job's log counts them; an epoch's validation loss at its last logged step."""
+    steps = [s + 1 for s in curves["step"]]
+    # later steps of an epoch win; curves of a summary written before step_epoch have none
+    last = dict(zip(curves.get("step_epoch", []), steps, strict=False))
+    val = [
+        (last[v["epoch"]], v["loss_epoch"])
+        for v in curves.get("val", [])
+        if v.get("epoch") in last and "loss_epoch" in v
+    ]
+    return (steps, list(curves["train_loss"])), ([x for x, _ in val], [y for _, y in val])
+
+
 def plot_loss(curves: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -48,9 +63,12 @@ def plot_loss(curves: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(curves["step"], curves["train_loss"], label="train", lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    train, val = loss_points(curves)
+    ax.plot(*train, label="train (logged steps)", lw=1)
+    if val[0]:
+        ax.plot(*val, "o-", label="validation (epoch's end)", lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (summed over TTT steps)")
     ax.set_title("Training loss")
     ax.legend()
     fig.tight_layout()

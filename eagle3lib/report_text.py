@@ -41,13 +41,22 @@ def truncated_note(data: dict[str, Any]) -> str:
     return f" ({data['truncated']} cut to data.max_length)" if data.get("truncated") else ""
 
 
+def training_length(training: dict[str, Any]) -> str:
+    """The epochs the train job was set to run, and train.max_steps where set (it may stop
+    the training before their end)."""
+    epochs = f"{training.get('epochs', '?')} epochs"
+    if training.get("max_steps") is None:
+        return epochs
+    return f"{epochs} (at most {training['max_steps']} steps: train.max_steps)"
+
+
 def training_row(training: dict[str, Any]) -> list[str]:
     """The train job's split and setting, as its summary has them."""
     if "train_samples" not in training:
         return []
     optimizers = " and ".join(training.get("optimizers") or []) or "?"
     return [
-        f"| training | {training.get('epochs', '?')} epochs on {training['train_samples']} "
+        f"| training | {training_length(training)} on {training['train_samples']} "
         f"samples ({training.get('val_samples', 0)} held out for validation), {optimizers}, "
         f"{training.get('dtype', '?')} on {training.get('device', '?')} |"
     ]
@@ -165,7 +174,7 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         "|---|---|",
         f"| valid | {'yes' if summary['valid'] else 'NO'}"
         f"{'' if summary.get('min_acceptance_length') else ' (no acceptance gate set)'} |",
-        f"| acceptance length (k={summary['k']}) | {fmt(acc['acceptance_length'])} |",
+        f"| acceptance length ({headline_label(summary)}) | {fmt(acc['acceptance_length'])} |",
         f"| per-position acceptance | {positions(summary['per_position_acceptance'])} |",
         f"| draft accuracy per token of the eval text, teacher-forced (per TTT step) | "
         f"{positions(acc.get('per_token_accuracy'))} |",
@@ -184,6 +193,12 @@ def headline_lines(summary: dict[str, Any]) -> list[str]:
         f"| draft vocab coverage of supervised tokens | {summary['vocab']['token_coverage']:.3f} |",
         "",
     ]
+
+
+def headline_label(summary: dict[str, Any]) -> str:
+    """Which result the headline is: its eval set, k and evaluation method."""
+    acc = summary["acceptance"]
+    return ", ".join(x for x in (acc.get("eval_set"), f"k={summary['k']}", acc.get("method")) if x)
 
 
 def eval_set_lines(summary: dict[str, Any]) -> list[str]:
@@ -349,6 +364,8 @@ def headline_table(summary: dict[str, Any]) -> str:
     """The headline result (the first eval set at its first k) as a one-row table."""
     acc = summary["acceptance"]
     headers = [
+        "eval set",
+        "method",
         "k",
         "acceptance length",
         "per-position acceptance",
@@ -357,6 +374,8 @@ def headline_table(summary: dict[str, Any]) -> str:
         "text equals verifier",
     ]
     row = [
+        acc.get("eval_set", "-"),
+        acc.get("method", "-"),
         summary["k"],
         fmt(summary["acceptance_length"], 4),
         positions(summary["per_position_acceptance"]),

@@ -680,18 +680,21 @@ def max_relative_difference(reference: Sequence[float], other: Sequence[float]) 
 
 
 def loss_curves(metrics: list[dict[str, Any]]) -> dict[str, list]:
-    """Per-step training loss and per-epoch validation loss/accuracy from the recorded logs.
+    """Per-step training loss (with each step's epoch) and per-epoch validation loss/accuracy
+    from the recorded logs (steps as logged: from 0).
 
     A resumed run logs again the steps after its last checkpoint: the later record wins."""
-    train_loss, val = {}, {}
+    train_loss, epoch_of, val = {}, {}, {}
     for m in metrics:
         if "train" in m and "loss" in m["train"]:
             train_loss[m.get("global_step")] = m["train"]["loss"]
+            epoch_of[m.get("global_step")] = m.get("epoch")
         if "val" in m:
             val[m.get("epoch")] = {"epoch": m.get("epoch"), **m["val"]}
     steps = sorted(train_loss)
     return {
         "step": steps,
         "train_loss": [train_loss[s] for s in steps],
+        "step_epoch": [epoch_of[s] for s in steps],
         "val": [val[e] for e in sorted(val)],
     }

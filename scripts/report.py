@@ -77,6 +77,7 @@ def main() -> None:
             summary["k"],
             tmp,
             summary["acceptance"].get("by_category"),
+            summary["acceptance"].get("eval_set"),
         )
     with atomic_path(a.out_plot_loss) as tmp:
         report_plots.plot_loss(curves, tmp)

@@ -93,6 +93,8 @@ def main() -> None:
     assert a.out_weights.parent == out_dir, "config and weights must share the checkpoint folder"
     config = checkpoint.export(Path(stats["final_epoch_dir"]), out_dir, record["name"])
     stats["epochs"] = cfg.epochs
+    if cfg.max_steps is not None:
+        stats["max_steps"] = cfg.max_steps
     phases.mark("checkpoint exported")
     with atomic_path(a.out_card) as tmp:
         tmp.write_text(checkpoint.model_card(config, record, stats), encoding="utf-8")

@@ -30,12 +30,13 @@ def main() -> None:
         for problem in problems:
             print(f"problem: {problem}", file=sys.stderr)
         raise UserError(f"{a.summary}: {len(problems)} problem(s): {problems[0]}")
+    line = (
+        f"valid: acceptance_length={fmt(summary['acceptance_length'], 4)} k={summary['k']} "
+        f"checkpoint_valid={summary['checkpoint_valid']}"
+    )
     with atomic_path(a.out) as tmp:
-        tmp.write_text(
-            f"valid: acceptance_length={fmt(summary['acceptance_length'], 4)} k={summary['k']} "
-            f"checkpoint_valid={summary['checkpoint_valid']}\n",
-            encoding="utf-8",
-        )
+        tmp.write_text(f"{line}\n", encoding="utf-8")
+    print(line)  # the job's log says it too
 
 
 if __name__ == "__main__":

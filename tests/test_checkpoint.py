@@ -126,8 +126,14 @@ def test_model_card_has_the_vllm_command(pipeline):
     card = checkpoint.model_card(
         config, pipeline["record"], {"epochs": 2, "train_samples": 36, "device": "cpu"}
     )
-    assert "vllm serve tiny-llama --speculative-config" in card
-    assert '"method": "eagle3"' in card and '"num_speculative_tokens": 3' in card
+    spec = '{"method": "eagle3", "model": "<this folder>", "num_speculative_tokens": 3}'
+    assert f"\nvllm serve tiny-llama --speculative-config '{spec}'\n" in card
+    assert "(offline, and in vLLM where `serve_check` ran)" in card
+    # a verifier that needs its own code: vLLM needs the flag too (as serve_check's command)
+    trusted = {**pipeline["record"], "trust_remote_code": True}
+    assert "\nvllm serve tiny-llama --trust-remote-code --speculative-config '{" in (
+        checkpoint.model_card(config, trusted, {})
+    )
     assert "set `VLLM_CPU_KVCACHE_SPACE`" in card and "reports/summary.md" in card
     # a local folder named by its folder's name: the card says what to give vllm serve
     local = {**pipeline["record"], "kind": "local", "path": "/models/tiny-llama"}

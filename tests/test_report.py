@@ -404,6 +404,27 @@ def html_table(page, title):
 # ---- summary.json ----------------------------------------------------------------------------
 
 
+# Catches: reports/ sized by the report job before it writes its own files there
+def test_disk_usage_sizes_the_stage_folders_but_the_reports(tmp_path):
+    for folder, size in (("hidden_states", 300), ("checkpoint", 20), ("reports", 7)):
+        (tmp_path / "t" / folder / "sub").mkdir(parents=True)
+        (tmp_path / "t" / folder / "sub" / "f").write_bytes(b"x" * size)
+    assert report.disk_usage("t", tmp_path) == {"hidden_states": 300, "checkpoint": 20}
+
+
+# Catches: the summary's text check taken from the headline result alone (another set or k
+# that decoded differently then read True in summary.md while validate failed)
+def test_the_text_check_spans_every_eval_set_and_k():
+    def acceptance(*found):
+        rows = [{"text_matches_verifier": f} for f in found]
+        return {"text_matches_verifier": found[0], "results": rows}
+
+    assert report.text_matches_verifier(acceptance(True, True, False)) is False
+    assert report.text_matches_verifier(acceptance(True, True)) is True
+    assert report.text_matches_verifier(acceptance(None, None)) is None
+    assert report.text_matches_verifier({"text_matches_verifier": True}) is True  # no results
+
+
 # Catches: summarize dropping or filling a field (per_position_acceptance from another key,
 # disk_bytes/seconds_per_job empty, min_acceptance_length None instead of {}, valid always
 # True, acceptance keeping per_prompt, checkpoint without draft_vocab_size, verifier flags
@@ -585,7 +606,7 @@ def test_summary_md_has_every_section_of_a_build(tmp_path, monkeypatch):
         "# EAGLE-3 draft build `t`",
         "Verifier **tiny-llama** (4 layers, hidden 64).",
         "| valid | yes (no acceptance gate set) |",
-        "| acceptance length (k=3) | 2.498 |",
+        "| acceptance length (mtbench, k=3, replay) | 2.498 |",
         "| per-position acceptance | 0.676, 0.471, 0.351 |",
         "| draft accuracy per token of the eval text, teacher-forced (per TTT step) | "
         "0.700, 0.500, 0.400 |",
@@ -665,9 +686,9 @@ def test_tables_html_holds_the_summarys_tables(tmp_path, monkeypatch):
     page = report_text.html_tables(built(tmp_path, monkeypatch))
     assert page.startswith("<!doctype html>") and page.endswith("</html>\n")
     assert html_table(page, "Acceptance") == [
-        ["k", "acceptance length", "per-position acceptance", "prompts", "steps",
-         "text equals verifier"],
-        ["3", "2.4980", "0.676, 0.471, 0.351", "80", "400",
+        ["eval set", "method", "k", "acceptance length", "per-position acceptance", "prompts",
+         "steps", "text equals verifier"],
+        ["mtbench", "replay", "3", "2.4980", "0.676, 0.471, 0.351", "80", "400",
          "not checked (replay; verifier argmax agreement 0.9987)"],
     ]  # fmt: skip
     assert len(html_table(page, "Offline acceptance per eval set and k")) == 4
@@ -699,6 +720,37 @@ def test_the_loss_plot_is_a_png_of_5_by_3_inches(tmp_path):
     assert data[:4] == b"\x89PNG" and struct.unpack(">II", data[16:24]) == (600, 360)
 
 
+# Catches: train.max_steps left out where it cut the epochs short (the card and summary.md
+# then claimed every configured epoch)
+def test_the_training_length_names_max_steps_where_set():
+    assert report_text.training_length({"epochs": 3}) == "3 epochs"
+    assert report_text.training_length({"epochs": 3, "max_steps": 40}) == (
+        "3 epochs (at most 40 steps: train.max_steps)"
+    )
+    row = report_text.training_row({"epochs": 2, "max_steps": 5, "train_samples": 9})
+    assert row[0].startswith("| training | 2 epochs (at most 5 steps: train.max_steps) on 9 ")
+
+
+# Catches: the plot's steps counted from 0 where the train job's log counts from 1; the
+# validation loss left out, or put at an epoch's first step; a record without a loss plotted
+def test_the_loss_plot_puts_each_validation_at_its_epochs_last_step():
+    from eagle3lib.report_plots import loss_points
+
+    curves = {
+        "step": [0, 1, 2, 3, 4, 5],
+        "train_loss": [3.0, 2.5, 2.2, 2.0, 1.9, 1.8],
+        "step_epoch": [0, 0, 0, 1, 1, 1],
+        "val": [
+            {"epoch": 0, "loss_epoch": 2.4, "full_acc_0_epoch": 0.1},
+            {"epoch": 1, "loss_epoch": 2.1},
+            {"epoch": 2, "full_acc_0_epoch": 0.3},  # no loss, no step of its epoch
+        ],
+    }
+    train, val = loss_points(curves)
+    assert train == ([1, 2, 3, 4, 5, 6], [3.0, 2.5, 2.2, 2.0, 1.9, 1.8])
+    assert val == ([3, 6], [2.4, 2.1])
+
+
 # ---- bugs the audit found, fixed ----------------------------------------------------------------
 
 
@@ -713,9 +765,12 @@ def test_tables_html_of_a_run_with_no_verifier_step_says_n_a(tmp_path, monkeypat
     assert s["problems"] == [
         "acceptance: no verifier step was measured (raise evaluate.max_new_tokens)"
     ]
-    assert "| acceptance length (k=3) | n/a |" in report_text.markdown(s, {}).splitlines()
+    assert (
+        "| acceptance length (mtbench, k=3, replay) | n/a |"
+        in report_text.markdown(s, {}).splitlines()
+    )
     page = report_text.html_tables(s)
-    assert html_table(page, "Acceptance")[1][:3] == ["3", "n/a", "0.000, 0.000, 0.000"]
+    assert html_table(page, "Acceptance")[1][2:5] == ["3", "n/a", "0.000, 0.000, 0.000"]
 
 
 # Catches: gpu_memory_entry checking only the reading before the job (when NVML failed after

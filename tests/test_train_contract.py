@@ -397,6 +397,7 @@ def test_the_loss_curves_take_a_resumed_runs_later_record_of_each_step_and_epoch
     assert curves == {
         "step": [0, 1],
         "train_loss": [4.0, 2.5],
+        "step_epoch": [0, 0],
         "val": [
             {"epoch": 0, "loss": 8.0, "accuracy": 0.2},
             {"epoch": 1, "loss": 7.0, "accuracy": 0.3},
