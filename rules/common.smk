@@ -16,7 +16,7 @@ from eagle3lib.config import synthetic_keys_left_out  # noqa: E402
 from eagle3lib import preflight  # noqa: E402
 from eagle3lib.errors import UserError  # noqa: E402
 from eagle3lib.fileio import size_mismatch  # noqa: E402
-from eagle3lib.gpu import GPU_SHARING_ENV, gpu_setting, sharing_setting  # noqa: E402
+from eagle3lib.gpu import GPU_SHARING_ENV, sharing_setting  # noqa: E402
 from eagle3lib.lifetime import interpreter_first_on_path  # noqa: E402
 from eagle3lib.multinode import nodes_refusal, sharing_refusal  # noqa: E402
 from eagle3lib.provenance import PlanningEdits, stale_reason  # noqa: E402
@@ -139,7 +139,7 @@ JOBS = (
         "regenerate.py",
         "regenerated",
         enabled_by="regenerate.enabled",
-        gpus=gpu_setting("regenerate"),
+        gpus="regenerate.gpus",
     ),
     Job("prepare", "data", "data.py", "prepared"),
     Job(
@@ -147,20 +147,20 @@ JOBS = (
         "hidden_states",
         "hidden_states.py",
         "hidden_states",
-        gpus=gpu_setting("extract"),
+        gpus="extract.gpus_per_job",
         per_shard=True,
     ),
     Job("vocab", "vocab", "vocab.py", "vocab"),
-    Job("train", "train", "train.py", "checkpoint", gpus=gpu_setting("train")),
+    Job("train", "train", "train.py", "checkpoint", gpus="train.gpus"),
     Job("check_checkpoint", "evaluate", "checkpoint.py", "reports", benchmark=False),
-    Job("evaluate", "evaluate", "evaluate.py", "reports", gpus=gpu_setting("evaluate")),
+    Job("evaluate", "evaluate", "evaluate.py", "reports", gpus="evaluate.gpus"),
     Job(
         "serve_check",
         "evaluate",
         "serve.py",
         "reports",
         enabled_by="serve_check.enabled",
-        gpus=gpu_setting("serve_check"),
+        gpus="serve_check.gpus",
     ),
     Job("report", "report", "report.py", "reports", benchmark=False),
     Job(
