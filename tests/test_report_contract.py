@@ -82,7 +82,8 @@ def test_summarize_takes_the_text_check_checkpoint_validity_and_regeneration_fro
     """A decoded run (text checked: True), a checkpoint marked invalid with no problem named,
     and a regeneration record: each shows in summary.json as given."""
     acceptance = built(tmp_path, monkeypatch)["acceptance"]
-    acceptance = {**acceptance, "text_matches_verifier": True, "method": "decode"}
+    rows = [{**r, "text_matches_verifier": True} for r in acceptance["results"]]
+    acceptance = {**acceptance, "text_matches_verifier": True, "method": "decode", "results": rows}
     regenerated = {"samples": 30, "backend": "hf"}
     s = built(
         tmp_path,

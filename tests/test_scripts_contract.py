@@ -386,12 +386,13 @@ def test_report_hands_every_input_and_writes_every_output(
     calls, i = [], tmp_path / "in"
     by_category = {"chat": [0.5]} if optional else None
     summary = {"acceptance_length": 2.0, "per_position_acceptance": [0.5], "valid": True,
-               "k": 3, "acceptance": {"by_category": by_category}, "other": 1}  # fmt: skip
+               "k": 3, "acceptance": {"by_category": by_category, "eval_set": "mt"},
+               "other": 1}  # fmt: skip
 
     def plot(name):
         def draw(*args):
             calls.append((name, args, {}))
-            Path(args[-2] if name == "acceptance" else args[-1]).write_text(name)
+            Path(args[2] if name == "acceptance" else args[-1]).write_text(name)
 
         return draw
 
@@ -439,7 +440,7 @@ def test_report_hands_every_input_and_writes_every_output(
         "min_acceptance_length": {"a": {"3": 2.0}} if optional else {},
     }  # fmt: skip
     assert called(calls, "acceptance")[0][:2] == ([0.5], 3)
-    assert called(calls, "acceptance")[0][3] == by_category
+    assert called(calls, "acceptance")[0][3:] == (by_category, "mt")
     assert called(calls, "loss")[0][0] == curves
     per = " and per category" if optional else ""
     assert called(calls, "markdown") == ((summary, {f"Acceptance per position{per}": "acc.png",
