@@ -156,7 +156,7 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     problems += _config_problems(raw, record, expected_aux)
     report.update(_config_facts(raw))
     try:
-        shapes, dtypes, d2t, t2d = _read_weights(checkpoint / "model.safetensors")
+        shapes, dtypes, d2t, t2d, non_finite = _read_weights(checkpoint / "model.safetensors")
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
         problems.append(f"model.safetensors unreadable: {first_line(exc)}")
         report["valid"] = False
@@ -166,7 +166,11 @@ def check(checkpoint: Path, record: dict[str, Any], expected_aux: list[int]) -> 
     problems += build_problems
     problems += _tensor_problems(shapes, dtypes, expected)
     problems += _vocab_map_problems(d2t, t2d, raw.get("draft_vocab_size"), record["vocab_size"])
-    problems += _non_finite_problems(checkpoint / "model.safetensors")
+    problems += [
+        f"tensor {name}: {bad} of {numel} values are NaN or infinite (the training diverged: "
+        "see train/state/metrics.jsonl; lower train.lr)"
+        for name, (bad, numel) in non_finite.items()
+    ]
     if not problems:
         problems += _reload_forward(checkpoint, record, expected_aux, report)
     report["valid"] = not problems
@@ -216,36 +220,24 @@ def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _read_weights(path: Path) -> tuple[dict[str, list[int]], dict[str, str], Any, Any]:
-    """Shapes and dtypes of a safetensors file's tensors, and its d2t and t2d (None if absent)."""
+def _read_weights(path: Path) -> tuple[dict[str, list[int]], dict[str, str], Any, Any, dict]:
+    """Shapes and dtypes of a safetensors file's tensors, its d2t and t2d (None if absent),
+    and {name: (non-finite values, values)} of each floating-point tensor holding NaN or
+    infinity (a diverged training saves such weights; the draft then proposes one id
+    whatever it is given). One pass over the file."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118
-        shapes = {k: list(s.get_shape()) for k, s in tensors.items()}
-        dtypes = {k: s.get_dtype() for k, s in tensors.items()}
-        d2t = f.get_tensor("d2t") if "d2t" in tensors else None
-        t2d = f.get_tensor("t2d") if "t2d" in tensors else None
-    return shapes, dtypes, d2t, t2d
-
-
-def _non_finite_problems(path: Path) -> list[str]:
-    """A problem for each floating-point tensor holding NaN or infinity (a diverged training
-    saves such weights, and the draft then proposes one id whatever it is given)."""
-    from safetensors import safe_open
-
-    problems = []
+    shapes, dtypes, tensors, non_finite = {}, {}, {}, {}
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118
             tensor = f.get_tensor(name)
-            if tensor.is_floating_point():
-                bad = int((~torch.isfinite(tensor)).sum())
-                if bad:
-                    problems.append(
-                        f"tensor {name}: {bad} of {tensor.numel()} values are NaN or infinite "
-                        "(the training diverged: see train/state/metrics.jsonl; lower train.lr)"
-                    )
-    return problems
+            shapes[name] = list(tensor.shape)
+            dtypes[name] = f.get_slice(name).get_dtype()
+            if tensor.is_floating_point() and (bad := int((~torch.isfinite(tensor)).sum())):
+                non_finite[name] = (bad, tensor.numel())
+            if name in ("d2t", "t2d"):
+                tensors[name] = tensor
+    return shapes, dtypes, tensors.get("d2t"), tensors.get("t2d"), non_finite
 
 
 def _expected_shapes(checkpoint: Path) -> tuple[dict[str, list[int]], list[str]]:
